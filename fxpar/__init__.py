@@ -1,1 +1,10 @@
-"""fxpar."""
+"""fxpar: Megatron-style parallelism for unmodified PyTorch Transformers, as torch.fx passes.
+
+    mesh = fxpar.init_mesh(tp=2)
+    pm = fxpar.parallelize(model, mesh, example_args=(ids,))
+    fxpar.verify(model, pm, (ids,))
+"""
+from fxpar.api import parallelize
+from fxpar.mesh import init_mesh
+
+__all__ = ["init_mesh", "parallelize"]

@@ -1,0 +1,58 @@
+"""Public API: parallelize(model, mesh, example_args) and its checks."""
+from __future__ import annotations
+
+import warnings
+
+import torch.nn as nn
+
+from fxpar.compiler import compile_tp
+from fxpar.executable import ParallelModule, tp_comm
+from fxpar.mesh import check_mesh
+from fxpar.passes.ops import TPComm
+from fxpar.passes.plan import make_plan
+from fxpar.trace import trace
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None) -> ParallelModule:
+    """Trace, analyze, rewrite and shard `model` for the rank described by `comm` (no mesh needed)."""
+    traced = trace(model, example_args, example_kwargs)
+    compiled = compile_tp(traced, comm)
+    blocked = [r for r in compiled.analysis.regions if r.indivisible and not r.columns]
+    if blocked:
+        r = blocked[0]
+        raise ValueError(
+            f"fxpar: cannot split {len(blocked)} region(s) over t={comm.size}. First: module {r.module or '<root>'}, "
+            f"GEMMs {', '.join(r.replicated)}: {r.reason}.\n"
+            "Fix: choose a tensor-parallel degree that divides the heads and hidden sizes."
+        )
+    pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
+    pm.__dict__["compiled"] = compiled
+    pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)))
+    if comm.size > 1 and not pm.plan.sharded_regions:
+        warnings.warn(
+            f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "
+            "every tp rank. The plan says why each GEMM was left replicated.",
+            stacklevel=3,
+        )
+    return pm
+
+
+def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None, **kw):
+    """Parallelize an unmodified model over `mesh` (a (pp, dp, tp) DeviceMesh from fxpar.init_mesh).
+
+    Returns an nn.Module: calling it returns what `model` returns, replicated on every tp rank; its parameters are
+    this rank's shards; `full_state_dict()` gathers them under the original keys; `plan` lists every decision.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpar.parallelize: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_args, tuple):
+        raise TypeError(f"fxpar.parallelize: example_args must be a tuple, got {type(example_args).__name__}")
+    if mesh is not None:
+        check_mesh(mesh)
+    if kw:
+        raise TypeError(f"fxpar.parallelize: unexpected arguments {sorted(kw)}")
+    return build(model, tp_comm(mesh), example_args, example_kwargs)

@@ -1,0 +1,69 @@
+"""The compiler driver: trace -> analysis -> the ordered rewrite passes -> a per-rank graph.
+
+Reading PASSES tells the whole compiler. Each pass is `gm -> gm`; the driver logs it, checks a GraphModule came
+back, and re-raises any error with the pass's name and the passes that ran before it.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass
+
+from torch.fx import GraphModule
+
+from fxpar.passes.analysis import Analysis, analyze
+from fxpar.passes.ops import TPComm, install_comm
+from fxpar.passes.placements import Shard
+from fxpar.passes.tp import tensor_parallel_pass
+from fxpar.passes.vocab import vocab_analysis
+from fxpar.trace import Traced
+
+log = logging.getLogger("fxpar")
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def passes_for(analysis: Analysis) -> list[tuple[str, object]]:
+    """The rewrite passes, in order."""
+    return [
+        ("tensor_parallel", functools.partial(tensor_parallel_pass, analysis=analysis)),
+    ]
+
+
+def run_passes(gm: GraphModule, passes) -> GraphModule:
+    done = []
+    for name, fn in passes:
+        log.debug("fxpar pass %s", name)
+        try:
+            out = fn(gm)
+        except Exception as e:
+            raise PassError(f"fxpar pass {name!r} failed (after {done or 'no passes'}): {e}") from e
+        if not isinstance(out, GraphModule):
+            raise PassError(f"fxpar pass {name!r} returned {type(out).__name__}, not a GraphModule")
+        gm = out
+        done.append(name)
+    return gm
+
+
+@dataclass
+class Compiled:
+    traced: Traced
+    reference: GraphModule  # the traced graph before any rewrite (for verify)
+    gm: GraphModule
+    analysis: Analysis
+    specs: dict[str, Shard]  # state_dict key -> how it is sharded
+
+
+def compile_tp(traced: Traced, comm: TPComm) -> Compiled:
+    """Analyze and rewrite `traced` for this rank's tensor-parallel group."""
+    reference = copy.deepcopy(traced.gm)
+    params = traced.param_nodes()
+    analysis = vocab_analysis(traced.gm, analyze(traced.gm, comm.size, params), params)
+    key_of = {name: key for name, _, key in traced.inputs}
+    specs = {key_of[n.name]: s for n, s in analysis.param_specs.items()}
+    install_comm(traced.gm, comm)  # the comm modules that the passes' call_module nodes name
+    gm = run_passes(traced.gm, passes_for(analysis))
+    return Compiled(traced, reference, gm, analysis, specs)

@@ -1,0 +1,166 @@
+"""The ops that the tensor-parallel pass inserts: Megatron's f and g, gather and scatter, the vocab embedding.
+
+Each is an nn.Module so that the rewritten graph calls it as `self.tp_g(x)`: the module holds the explicit
+communication context (process group, rank, size); there is no global state. Collectives go through
+torch.distributed, so torch's CommDebugMode counts them.
+
+    f        identity forward, all-reduce backward   (enters a region: the input's gradient is a per-rank partial)
+    g        all-reduce forward, identity backward   (leaves a region: sums the row-parallel partial outputs)
+    gather   all-gather forward, local block backward (LM head logits)
+    scatter  local block forward, all-gather backward (a replicated operand that a region needs one block of)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .placements import Shard, local_shard, unshard
+
+
+@dataclass
+class TPComm:
+    """Who this rank is in its tensor-parallel group. group=None simulates the rank (shapes only, no numerics)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.group is None and self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1 or self.simulated:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.simulated:
+            return [x] * self.size
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(out, x, group=self.group)
+        return out
+
+
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.clone()), None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return local_shard(x, spec, comm.rank, comm.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unshard(ctx.comm.all_gather(grad), ctx.spec), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return unshard(comm.all_gather(x), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return local_shard(grad, ctx.spec, ctx.comm.rank, ctx.comm.size), None, None
+
+
+class CopyToTP(nn.Module):
+    """f: enters a tensor-parallel region."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x):
+        return _F.apply(x, self.comm)
+
+
+class ReduceFromTP(nn.Module):
+    """g: leaves a tensor-parallel region by summing the partial outputs of a row-parallel GEMM."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x):
+        return _G.apply(x, self.comm)
+
+
+class ScatterToTP(nn.Module):
+    """This rank's block of a replicated tensor, laid out like Shard(dim, parts, pre, post)."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _Scatter.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
+
+
+class GatherFromTP(nn.Module):
+    """The full tensor from every rank's block along `dim` (the LM head's logits)."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x, dim: int):
+        dim = dim % x.dim()
+        return _Gather.apply(x, self.comm, Shard(dim, (x.shape[dim] * self.comm.size,)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Look up the ids in this rank's rows of the vocabulary, zero the rest, and all-reduce (g)."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, weight, ids, *rest):
+        rows = weight.shape[0]
+        start = self.comm.rank * rows
+        outside = (ids < start) | (ids >= start + rows)
+        local = (ids - start).masked_fill(outside, 0)
+        pad = rest[0] if rest else -1  # aten.embedding's padding_idx only masks the gradient of that row
+        pad = pad - start if start <= pad < start + rows else -1
+        out = torch.ops.aten.embedding(weight, local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _G.apply(out, self.comm)
+
+
+COMM_MODULES = {
+    "tp_f": CopyToTP, "tp_g": ReduceFromTP, "tp_scatter": ScatterToTP, "tp_gather": GatherFromTP,
+    "tp_vocab_embedding": VocabParallelEmbedding,
+}
+
+
+def install_comm(gm: nn.Module, comm: TPComm) -> None:
+    """Bind the comm modules that a rewritten graph calls to this rank's context."""
+    for name, cls in COMM_MODULES.items():
+        setattr(gm, name, cls(comm))

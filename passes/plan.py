@@ -1,0 +1,63 @@
+"""The plan: every sharding decision as data, with a printable table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from .analysis import Analysis, Region
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    key: str  # the original state_dict key
+    shape: tuple  # global shape
+    placement: str  # "R", "S(0)", "S(0, 3x[64]x1)" ...
+    local_shape: tuple
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    regions: tuple[Region, ...]
+    weights: tuple[WeightShard, ...]
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"Plan.tp must be >= 1, got {self.tp}")
+
+    @property
+    def sharded_regions(self) -> list[Region]:
+        return [r for r in self.regions if r.columns]
+
+    @property
+    def replicated(self) -> list[Region]:
+        return [r for r in self.regions if r.replicated]
+
+    def region_table(self) -> str:
+        rows = []
+        for r in self.regions:
+            vocab = any("embedding" in c for c in r.columns) or (r.rows and not r.columns)
+            rows.append([
+                r.module or "<root>",
+                ", ".join(r.columns) or "-",
+                ", ".join(r.rows) or "-",
+                "vocab" if vocab else (f"f + {len(r.rows)} g" if r.columns else "-"),
+                ", ".join(r.replicated) + (f": {r.reason}" if r.reason else "") if r.replicated else "",
+            ])
+        return tabulate(rows, headers=["module", "column-parallel", "row-parallel", "collectives", "replicated (why)"])
+
+    def weight_table(self) -> str:
+        rows = [[w.key, "x".join(map(str, w.shape)), w.placement, "x".join(map(str, w.local_shape))]
+                for w in self.weights]
+        return tabulate(rows, headers=["weight", "global", "placement", "local"])
+
+    def __str__(self) -> str:
+        return (
+            f"fxpar plan, t={self.tp}: {len(self.sharded_regions)} sharded regions, "
+            f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
+        )
+
+
+def make_plan(analysis: Analysis, weights: list[WeightShard]) -> Plan:
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights))

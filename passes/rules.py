@@ -1,0 +1,373 @@
+"""Sharding rules: one small function per ATen op family.
+
+A rule sees a node at least one of whose inputs is sharded, and returns a Decision: the output placement, the
+replicated inputs that must enter the sharded region (through f, or scattered to the local block), the node's new
+shape arguments, and for GEMMs their role. A rule that cannot prove the sharding raises NoRule with the reason; the
+analysis then leaves that whole region replicated. Never guess.
+
+[Note: replicated means identical]
+    A Replicate tensor has the same value on every rank. When one enters a sharded computation its gradient becomes
+    a per-rank partial sum, so it goes through f (identity forward, all-reduce backward) if it can need a gradient, or
+    is scattered (local block forward, all-gather backward) when the op needs only this rank's block of it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from .placements import Placement, Replicate, Shard, plain_shard
+from .reshape import ReshapeError, reshape_shard
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+class NoRule(Exception):
+    """The op cannot keep this sharding; the message says why."""
+
+
+class Indivisible(NoRule):
+    """The op could keep this sharding, but a size (heads, features) is not divisible by t."""
+
+
+@dataclass
+class Decision:
+    out: Placement | tuple[Placement, ...]
+    enter: dict[Node, Shard | None] = field(default_factory=dict)  # replicated input -> None (f) or Shard (scatter)
+    args: tuple | None = None  # localized args, when shape constants change
+    role: str | None = None  # "column" | "row" for GEMMs with a weight parameter
+    target: Callable | None = None  # a new op, when the local form needs one
+
+
+class Ctx:
+    """What rules may ask about the graph: global shapes, current placements, the tp degree."""
+
+    def __init__(self, placements: dict, t: int, params: set):
+        self.placements, self.t, self.params = placements, t, params
+
+    def p(self, n) -> Placement:
+        return self.placements.get(n, R) if isinstance(n, Node) else R
+
+    @staticmethod
+    def shape(n) -> tuple:
+        v = n.meta.get("val") if isinstance(n, Node) else None
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _need_divisible(s: Shard, t: int, node: Node):
+    if not s.divisible(t):
+        raise Indivisible(f"{node.name}: parts {s.parts} of dim {s.dim} are not divisible by t={t}")
+
+
+def _tensor_args(node: Node):
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+# --- elementwise: same shard on the broadcast output dim; replicated operands broadcast or get scattered
+def elementwise(node: Node, ctx: Ctx) -> Decision:
+    out_nd = len(ctx.shape(node))
+    shards = {}
+    for a in _tensor_args(node):
+        pa = ctx.p(a)
+        if isinstance(pa, Shard):
+            shards[a] = pa.moved(pa.dim + out_nd - len(ctx.shape(a)))
+        elif not isinstance(pa, Replicate):
+            raise NoRule(f"{node.name}: input {a.name} is {pa}")
+    first = next(iter(shards.values()))
+    if any(s != first for s in shards.values()):
+        raise NoRule(f"{node.name}: inputs sharded differently: {', '.join(map(str, shards.values()))}")
+    enter = {}
+    for a in _tensor_args(node):
+        if a in shards:
+            continue
+        shape = ctx.shape(a)
+        k = first.dim - (out_nd - len(shape))
+        enter[a] = None if k < 0 or shape[k] == 1 else first.moved(k)
+    return Decision(first, enter)
+
+
+# --- view / reshape / unflatten: see reshape.py; the shape argument is rewritten for the local shard
+def view(node: Node, ctx: Ctx) -> Decision:
+    src = node.args[0]
+    try:
+        out = reshape_shard(ctx.shape(src), ctx.shape(node), ctx.p(src), ctx.t)
+    except ReshapeError as e:
+        try:
+            structural = reshape_shard(ctx.shape(src), ctx.shape(node), ctx.p(src), 1)
+        except ReshapeError:
+            raise NoRule(f"{node.name}: {e}") from None
+        raise Indivisible(
+            f"{node.name}: dim {structural.dim} of {tuple(ctx.shape(node))} has {structural.parts[0]} "
+            f"(heads or features) to split over t={ctx.t}"
+        ) from None
+    _need_divisible(out, ctx.t, node)
+    local = list(ctx.shape(node))
+    local[out.dim] //= ctx.t
+    if node.target is aten.unflatten.int:
+        d = _norm(node.args[1], len(ctx.shape(src)))
+        sizes = local[d : d + len(node.args[2])]
+        return Decision(out, args=(src, node.args[1], sizes))
+    shape = list(node.args[1])
+    if shape[out.dim] != -1:
+        shape[out.dim] = local[out.dim]
+    return Decision(out, args=(src, shape, *node.args[2:]))
+
+
+# --- expand: the sharded dim is never the expanded one; its size becomes local
+def expand(node: Node, ctx: Ctx) -> Decision:
+    src, sizes = node.args[0], list(node.args[1])
+    s = ctx.p(src)
+    d = s.dim + len(sizes) - len(ctx.shape(src))
+    if sizes[d] not in (-1, ctx.shape(src)[s.dim]):
+        raise NoRule(f"{node.name}: expands the sharded dim {d}")
+    if sizes[d] != -1:
+        sizes[d] //= ctx.t
+    return Decision(s.moved(d), args=(src, sizes, *node.args[2:]))
+
+
+# --- transpose / permute / unsqueeze / squeeze: the shard follows its dim
+def transpose(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
+    a, b = _norm(node.args[1], nd), _norm(node.args[2], nd)
+    return Decision(s.moved({a: b, b: a}.get(s.dim, s.dim)))
+
+
+def permute(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
+    order = [_norm(d, nd) for d in node.args[1]]
+    return Decision(s.moved(order.index(s.dim)))
+
+
+def unsqueeze(node: Node, ctx: Ctx) -> Decision:
+    s = ctx.p(node.args[0])
+    k = _norm(node.args[1], len(ctx.shape(node)))
+    return Decision(s.moved(s.dim + (1 if k <= s.dim else 0)))
+
+
+def squeeze(node: Node, ctx: Ctx) -> Decision:
+    s, shape = ctx.p(node.args[0]), ctx.shape(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else range(len(shape))
+    dims = [dims] if isinstance(dims, int) else dims
+    gone = {_norm(d, len(shape)) for d in dims if shape[_norm(d, len(shape))] == 1}
+    return Decision(s.moved(s.dim - sum(1 for d in gone if d < s.dim)))
+
+
+# --- select / slice: fine on other dims; a slice on the sharded dim must take whole parts
+def select(node: Node, ctx: Ctx) -> Decision:
+    s = ctx.p(node.args[0])
+    d = _norm(node.args[1], len(ctx.shape(node.args[0])))
+    if d == s.dim:
+        raise NoRule(f"{node.name}: selects an index of the sharded dim {d}")
+    return Decision(s.moved(s.dim - (1 if d < s.dim else 0)))
+
+
+def _part_bounds(s: Shard):
+    """Global (start, end) of each part along the dim, for layouts without an inner factor."""
+    bounds, offset = [], 0
+    for _ in range(s.pre):
+        for p in s.parts:
+            bounds.append((offset, offset + p))
+            offset += p
+    return bounds
+
+
+def slice_(node: Node, ctx: Ctx) -> Decision:
+    x, s = node.args[0], ctx.p(node.args[0])
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
+    size = ctx.shape(x)[s.dim]
+    dim = _norm(dim, len(ctx.shape(x)))
+    if dim != s.dim:
+        return Decision(s)
+    start, end = start or 0, size if end is None else min(end, size)
+    if step == 1 and (start, end) == (0, size):
+        return Decision(s, args=(x, dim, 0, size // ctx.t))
+    if step == 1 and s.post == 1 and (start, end) in _part_bounds(s):
+        return Decision(plain_shard(dim, end - start), args=(x, dim, start // ctx.t, end // ctx.t))
+    raise NoRule(f"{node.name}: slices [{start}:{end}:{step}] across the shards of dim {dim} ({s})")
+
+
+# --- split / chunk / unbind: other dims pass through; on the sharded dim the pieces must be its parts
+def split(node: Node, ctx: Ctx) -> Decision:
+    x, s = node.args[0], ctx.p(node.args[0])
+    nd, size = len(ctx.shape(x)), ctx.shape(x)
+    pieces = [tuple(v.shape) for v in node.meta.get("val") or ()]
+    if node.target is aten.unbind.int:
+        d = _norm(node.args[1] if len(node.args) > 1 else 0, nd)
+        if d == s.dim:
+            raise NoRule(f"{node.name}: unbinds the sharded dim")
+        return Decision(tuple(s.moved(s.dim - (1 if d < s.dim else 0)) for _ in pieces))
+    d = _norm(node.args[2] if len(node.args) > 2 else 0, nd)
+    sizes = [p[d] for p in pieces] if pieces else []
+    if d != s.dim:
+        return Decision(tuple(s for _ in sizes))
+    bounds = _part_bounds(s) if s.post == 1 else []
+    edges, offset = [], 0
+    for n in sizes:
+        edges.append((offset, offset + n))
+        offset += n
+    if edges != bounds:
+        raise NoRule(f"{node.name}: splits dim {d} of size {size[d]} into {sizes}, across its shards ({s})")
+    outs = tuple(plain_shard(d, n) for n in sizes)
+    for o in outs:
+        _need_divisible(o, ctx.t, node)
+    local = [n // ctx.t for n in sizes]
+    return Decision(outs, args=(x, local, d), target=aten.split_with_sizes.default)
+
+
+def getitem(node: Node, ctx: Ctx) -> Decision:
+    outs = ctx.p(node.args[0])
+    if not isinstance(outs, tuple):
+        raise NoRule(f"{node.name}: getitem of a non-sequence placement {outs}")
+    return Decision(outs[node.args[1]])
+
+
+# --- cat: along another dim, all inputs alike (replicated ones are scattered)
+def cat(node: Node, ctx: Ctx) -> Decision:
+    tensors = node.args[0]
+    d = _norm(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    shards = [ctx.p(a) for a in tensors if isinstance(ctx.p(a), Shard)]
+    s = shards[0]
+    if s.dim == d or any(o != s for o in shards):
+        raise NoRule(f"{node.name}: concatenates along or across shards ({', '.join(map(str, shards))})")
+    enter = {a: s for a in tensors if not isinstance(ctx.p(a), Shard)}
+    return Decision(s, enter)
+
+
+# --- softmax / log_softmax, and reductions over other dims
+def softmax(node: Node, ctx: Ctx) -> Decision:
+    s = ctx.p(node.args[0])
+    if _norm(node.args[1], len(ctx.shape(node))) == s.dim:
+        raise NoRule(f"{node.name}: softmax over the sharded dim")
+    return Decision(s)
+
+
+def reduction(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = [dims] if isinstance(dims, int) else dims
+    if not dims:
+        raise NoRule(f"{node.name}: full reduction of a sharded tensor")
+    dims = {_norm(d, nd) for d in dims}
+    keep = len(node.args) > 2 and node.args[2]
+    if s.dim in dims:
+        raise NoRule(f"{node.name}: reduces over the sharded dim {s.dim}")
+    return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+
+
+# --- layer_norm / rms_norm: normalized dims must be unsharded; the affine weights enter through f
+def norm(node: Node, ctx: Ctx) -> Decision:
+    x, s = node.args[0], ctx.p(node.args[0])
+    if s.dim >= len(ctx.shape(x)) - len(node.args[1]):
+        raise NoRule(f"{node.name}: normalizes over the sharded dim {s.dim}")
+    return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
+
+
+# --- scaled_dot_product_attention: q, k, v sharded alike on a batch dim (the heads), masks scattered or broadcast
+def sdpa(node: Node, ctx: Ctx) -> Decision:
+    q, k, v = node.args[:3]
+    shards = [ctx.p(a) for a in (q, k, v) if isinstance(ctx.p(a), Shard)]
+    s = shards[0]
+    nd = len(ctx.shape(q))
+    if s.dim >= nd - 2 or any(o != s for o in shards):
+        raise NoRule(f"{node.name}: q/k/v must be sharded alike on a batch or heads dim, got {shards}")
+    if any(ctx.shape(a)[s.dim] != ctx.shape(q)[s.dim] for a in (k, v)):
+        raise NoRule(f"{node.name}: grouped k/v heads {ctx.shape(k)[s.dim]} vs query heads {ctx.shape(q)[s.dim]}")
+    enter = {a: s for a in (q, k, v) if not isinstance(ctx.p(a), Shard)}
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, Node):
+        shape = ctx.shape(mask)
+        kdim = s.dim - (nd - len(shape))
+        enter[mask] = None if kdim < 0 or shape[kdim] == 1 else s.moved(kdim)
+    return Decision(s, enter)
+
+
+# --- matmul / bmm without a weight parameter (q @ k^T, probs @ v): batch dims pass through
+def batched_matmul(node: Node, ctx: Ctx) -> Decision:
+    a, b = node.args[:2]
+    pa, pb = ctx.p(a), ctx.p(b)
+    na, nb, no = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
+    if na < 2 or nb < 2:
+        raise NoRule(f"{node.name}: vector matmul of a sharded tensor")
+    outs, enter = [], {}
+    for x, px, nx, m_or_n in ((a, pa, na, na - 2), (b, pb, nb, nb - 1)):
+        if isinstance(px, Shard):
+            if px.dim == (nx - 1 if x is a else nx - 2):
+                raise NoRule(f"{node.name}: contraction over a sharded dim")
+            outs.append(px.moved(px.dim + no - nx) if px.dim < nx - 2 else px.moved(no - 2 if x is a else no - 1))
+    if len(outs) == 2 and (outs[0] != outs[1] or outs[0].dim >= no - 2):
+        raise NoRule(f"{node.name}: operands sharded on different dims ({pa}, {pb})")
+    s = outs[0]
+    for x, px, nx in ((a, pa, na), (b, pb, nb)):
+        if not isinstance(px, Shard):
+            k = s.dim - (no - nx)
+            enter[x] = s.moved(k) if s.dim < no - 2 and k >= 0 and ctx.shape(x)[k] != 1 else None
+    return Decision(s, enter)
+
+
+# --- GEMMs with a weight parameter: row-parallel when the contraction dim is sharded
+GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0), aten.mm.default: (1, 0, 0)}
+# op -> (weight arg index, input arg index, weight dim contracted with the input's last dim)
+
+
+def gemm(node: Node, ctx: Ctx) -> Decision:
+    w_idx, x_idx, w_in_dim = GEMM_WEIGHT_ARG[node.target]
+    x, w = node.args[x_idx], node.args[w_idx]
+    s, nx = ctx.p(x), len(ctx.shape(x))
+    if w in ctx.params and len(w.users) == 1 and s.dim == nx - 1:
+        _need_divisible(s, ctx.t, node)
+        return Decision(R, role="row")  # g follows; the caller shards the weight on w_in_dim with s's layout
+    if s.dim == nx - 1:
+        raise NoRule(f"{node.name}: contraction over a sharded dim with weight {w.name} that cannot be sharded")
+    return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
+
+
+RULES: dict[Callable, Callable[[Node, Ctx], Decision]] = {}
+
+
+def _register(rule, *ops):
+    for op in ops:
+        for overload in op.overloads() if hasattr(op, "overloads") else [None]:
+            RULES[getattr(op, overload) if overload else op] = rule
+
+
+_register(
+    elementwise,
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.where, aten.masked_fill, aten.clamp,
+    aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu, aten.erf, aten.rsqrt, aten.sqrt,
+    aten.sin, aten.cos, aten.abs, aten.square, aten.reciprocal, aten._to_copy, aten.to, aten.contiguous,
+    aten.clone, aten.alias, aten.dropout, aten.type_as, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+    aten.logical_not, aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__,
+    aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
+    aten.maximum, aten.minimum, aten.rsub, aten.addcmul,
+)
+_register(view, aten.view, aten.reshape, aten._unsafe_view, aten.unflatten)
+_register(expand, aten.expand)
+_register(transpose, aten.transpose)
+_register(permute, aten.permute)
+_register(unsqueeze, aten.unsqueeze)
+_register(squeeze, aten.squeeze)
+_register(select, aten.select)
+_register(slice_, aten.slice)
+_register(split, aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
+_register(getitem, operator.getitem)
+_register(cat, aten.cat)
+_register(softmax, aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
+_register(reduction, aten.mean, aten.sum, aten.amax, aten.amin, aten.var)
+_register(norm, aten.layer_norm, aten.rms_norm)
+_register(sdpa, aten.scaled_dot_product_attention)
+_register(batched_matmul, aten.matmul, aten.bmm)
+for _op in GEMM_WEIGHT_ARG:
+    RULES[_op] = gemm
+
+
+def rule_for(node: Node):
+    """The rule of this node's op family, or None (the analysis then refuses the sharding)."""
+    return RULES.get(node.target) if node.op == "call_function" else None

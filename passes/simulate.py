@@ -1,0 +1,254 @@
+"""Replay a pipeline schedule on a clock: timelines, bubble fraction, deadlock detection, and a text grid.
+
+Pattern: every rank runs its action list in order; an action starts when its rank is free and its inputs are
+ready, through one handler per action kind. Ranks are swept round-robin until nothing can move; start times only
+depend on actions already replayed, so the sweep order does not change the result. A rank left with actions when
+nothing moves is a deadlock, reported with the grid and each stuck step.
+
+Two modes, picked from the schedule itself:
+    compute-only   a forward of chunk c, microbatch i waits for the forward of chunk c-1 (plus the p2p latency when
+                   c-1 lives on another rank); a backward waits for its own forward and for the backward of chunk
+                   c+1 (the last chunk's backward only for its forward).
+    lowered        cross-rank inputs come only through RECV actions. [Note: p2p semantics] in lower_schedule.py:
+                   a SEND never blocks and puts the message on the (src, dst) FIFO, arriving p2p later; a RECV
+                   blocks until the head of that FIFO is there and must be the message it expects.
+
+Glossary
+    costs      stage-level durations {"F": forward, "B": backward, "p2p": latency}; one chunk of an interleaved
+               schedule costs 1/v of them, so the ideal compute time does not depend on v.
+    ideal      the busiest rank's compute time (m*(F+B) for a balanced pipeline).
+    bubble     (makespan - ideal) / ideal, the paper's bubble time fraction: (p-1)/m for GPipe and 1F1B,
+               (p-1)/(v*m) for interleaved 1F1B.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Mapping
+
+from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, rank_of_chunk, schedule_shape
+
+DEFAULT_COSTS = {F: 1, B: 2, "p2p": 0}
+
+
+class DeadlockError(RuntimeError):
+    """No rank can make progress; the message holds the grid with the stuck steps marked."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timelines of one replayed schedule. Times are exact Fractions."""
+
+    p: int
+    v: int
+    m: int
+    timelines: dict  # rank -> list[(start, end, Action)], p2p actions as zero-length entries
+    makespan: Fraction
+    ideal: Fraction
+
+    def __post_init__(self):
+        if self.ideal <= 0:
+            raise ValueError(f"ideal compute time must be > 0, got {self.ideal}; give F and B positive costs")
+
+    @property
+    def bubble_fraction(self) -> Fraction:
+        return (self.makespan - self.ideal) / self.ideal
+
+
+@dataclass
+class _State:
+    """Mutable replay state (internal): per-rank clocks and positions, finished compute, p2p FIFOs."""
+
+    p: int
+    v: int
+    costs: dict
+    lowered: bool
+    clock: list = field(default_factory=list)
+    pos: list = field(default_factory=list)
+    done: dict = field(default_factory=dict)  # (chunk, kind, microbatch) -> end time
+    received: dict = field(default_factory=dict)  # (rank, message) -> arrival time
+    fifo: dict = field(default_factory=dict)  # (src, dst) -> deque[(message, arrival time)]
+    waiting: dict = field(default_factory=dict)  # rank -> why its next action is blocked
+
+
+def _costs(costs: Mapping | None, v: int) -> dict:
+    merged = dict(DEFAULT_COSTS, **(costs or {}))
+    unknown = set(merged) - set(DEFAULT_COSTS)
+    if unknown:
+        raise ValueError(f"unknown cost keys {sorted(unknown)}; use {sorted(DEFAULT_COSTS)}")
+    for key, value in merged.items():
+        if not isinstance(value, (int, float, Fraction)) or value < 0 or (key != "p2p" and value <= 0):
+            raise ValueError(f"cost {key}={value!r} must be a number > 0 (p2p >= 0)")
+    exact = {key: Fraction(value) for key, value in merged.items()}
+    return {F: exact[F] / v, B: exact[B] / v, "p2p": exact["p2p"]}
+
+
+def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:
+    """Replay `schedule` (compute-only or lowered) and return its timelines and bubble fraction.
+
+    Args:
+        schedule: dict[rank, list[Action]] from `build_schedule`, or from `lower_schedule.lower`.
+        costs: stage-level {"F", "B", "p2p"} durations, default F=1, B=2, p2p=0 (see the module docstring).
+    Raises:
+        DeadlockError: when ranks are left with actions and none can start.
+        ValueError: when a lowered schedule receives a message out of order or misses a RECV.
+    """
+    p, v, m = schedule_shape(schedule)
+    lowered = any(a.is_p2p for actions in schedule.values() for a in actions)
+    state = _State(p, v, _costs(costs, v), lowered, [Fraction(0)] * p, [0] * p)
+    timelines = {rank: [] for rank in range(p)}
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(p):
+            while state.pos[rank] < len(schedule[rank]):
+                action = schedule[rank][state.pos[rank]]
+                span = _HANDLERS[action.kind](state, rank, action)
+                if span is None:
+                    break
+                timelines[rank].append((span[0], span[1], action))
+                state.clock[rank], state.pos[rank], moved = span[1], state.pos[rank] + 1, True
+    if any(state.pos[r] < len(schedule[r]) for r in range(p)):
+        raise DeadlockError(_deadlock_report(schedule, state, timelines))
+    _check_drained(state)
+    busy = [sum((e - s for s, e, a in timelines[r] if not a.is_p2p), Fraction(0)) for r in range(p)]
+    return SimResult(p, v, m, timelines, max(state.clock), max(busy))
+
+
+def check_deadlock_free(lowered: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:
+    """Prove a lowered schedule runs to the end under [Note: p2p semantics] with every message matched in order.
+
+    Raises DeadlockError or ValueError otherwise; returns the replay.
+    """
+    if not any(a.is_p2p for actions in lowered.values() for a in actions) and len(lowered) > 1:
+        raise ValueError("check_deadlock_free needs a lowered schedule (lower_schedule.lower); this one has no p2p")
+    return simulate(lowered, costs)
+
+
+# ---------------------------------------------------------------- handlers, one per action kind
+
+def _inputs(action: Action, last_chunk: int) -> list[tuple[int, str, int]]:
+    """The compute results `action` consumes: (chunk, kind, microbatch)."""
+    c, i = action.chunk, action.microbatch
+    if action.kind == F:
+        return [(c - 1, F, i)] if c > 0 else []
+    return [(c, F, i)] + ([(c + 1, B, i)] if c < last_chunk else [])
+
+
+def _input_ready(state: _State, rank: int, action: Action, dep: tuple[int, str, int]) -> Fraction | None:
+    """When `dep` is usable by `action` on `rank`, or None while it is not."""
+    chunk, kind, microbatch = dep
+    if rank_of_chunk(chunk, state.p) == rank or not state.lowered:
+        if dep not in state.done:
+            state.waiting[rank] = f"waits for {chunk}{kind}{microbatch} on rank {rank_of_chunk(chunk, state.p)}"
+            return None
+        latency = state.costs["p2p"] if rank_of_chunk(chunk, state.p) != rank else 0
+        return state.done[dep] + latency
+    message = (kind, chunk, action.chunk, microbatch)
+    if (rank, message) not in state.received:
+        raise ValueError(f"rank {rank} runs {action} before receiving the {kind} output of chunk {chunk} from rank "
+                         f"{rank_of_chunk(chunk, state.p)}: no RECV precedes it; lower the schedule first")
+    return state.received[(rank, message)]
+
+
+def _run_compute(state: _State, rank: int, action: Action):
+    """F or B: start once the rank is free and every input is ready."""
+    start = state.clock[rank]
+    for dep in _inputs(action, state.p * state.v - 1):
+        ready = _input_ready(state, rank, action, dep)
+        if ready is None:
+            return None
+        start = max(start, ready)
+    end = start + state.costs[action.kind]
+    state.done[(action.chunk, action.kind, action.microbatch)] = end
+    return start, end
+
+
+def _run_send(state: _State, rank: int, action: Action):
+    """SEND_*: never blocks; the message joins the (rank, peer) FIFO and arrives one p2p latency later."""
+    now = state.clock[rank]
+    state.fifo.setdefault((rank, action.peer), deque()).append((action.message(), now + state.costs["p2p"]))
+    return now, now
+
+
+def _run_recv(state: _State, rank: int, action: Action):
+    """RECV_*: blocks until the (peer, rank) FIFO has a message; it must be the one this action expects."""
+    queue = state.fifo.get((action.peer, rank))
+    if not queue:
+        state.waiting[rank] = f"waits for rank {action.peer} to send"
+        return None
+    message, arrival = queue.popleft()
+    if message != action.message():
+        raise ValueError(f"rank {rank} step {state.pos[rank]} ({action}) expects {action.message()} from rank "
+                         f"{action.peer}, but the next message on that link is {message}: the sends on rank "
+                         f"{action.peer} and the receives on rank {rank} are in different orders")
+    done = max(state.clock[rank], arrival)
+    state.received[(rank, message)] = arrival
+    return done, done
+
+
+_HANDLERS = {F: _run_compute, B: _run_compute, SEND_F: _run_send, SEND_B: _run_send,
+             RECV_F: _run_recv, RECV_B: _run_recv}
+
+
+def _check_drained(state: _State) -> None:
+    for (src, dst), queue in sorted(state.fifo.items()):
+        if queue:
+            raise ValueError(f"rank {src} sends {len(queue)} message(s) to rank {dst} that are never received, "
+                             f"first {queue[0][0]}")
+
+
+# ---------------------------------------------------------------- grid
+
+def _slot(times: list[Fraction]) -> Fraction:
+    """Largest time step dividing every time, so each action fills whole grid cells."""
+    denominator = math.lcm(*(t.denominator for t in times)) if times else 1
+    step = math.gcd(*(int(t * denominator) for t in times)) if times else 0
+    return Fraction(step or 1, denominator)
+
+
+def _label(action: Action, v: int) -> str:
+    """"F3" / "B3"; with v > 1 the global chunk is marked in front: "4F3"."""
+    return f"{action.kind}{action.microbatch}" if v == 1 else str(action)
+
+
+def _grid_rows(timelines: dict, v: int, slot: Fraction, width: int) -> list[str]:
+    rows = []
+    for rank in sorted(timelines):
+        cells, t = [], Fraction(0)
+        for start, end, action in timelines[rank]:
+            if action.is_p2p:
+                continue
+            cells += ["."] * int((start - t) / slot)
+            cells += [_label(action, v)] + ["-"] * (int((end - start) / slot) - 1)
+            t = end
+        rows.append(f"rank {rank} | " + " ".join(c.ljust(width) for c in cells))
+    return rows
+
+
+def render_grid(timelines: dict, v: int = 1) -> list[str]:
+    """Rank x time grid like Figure 4 of the PTD-P paper: one row per rank, one cell per time slot, the action in
+    its first cell, "-" while it lasts, "." when idle. Works on partial timelines (deadlock reports)."""
+    times = [t for tl in timelines.values() for s, e, a in tl if not a.is_p2p for t in (s, e)]
+    labels = [_label(a, v) for tl in timelines.values() for s, e, a in tl if not a.is_p2p]
+    return _grid_rows(timelines, v, _slot(times), max(map(len, labels), default=2))
+
+
+def format_result(result: SimResult) -> str:
+    """The grid and the bubble fraction, as the CLI prints them."""
+    bubble = result.bubble_fraction
+    lines = render_grid(result.timelines, result.v)
+    lines.append(f"bubble fraction: {bubble} = {float(bubble):.4f} (makespan {result.makespan}, "
+                 f"ideal {result.ideal}; p={result.p}, v={result.v}, m={result.m})")
+    return "\n".join(lines)
+
+
+def _deadlock_report(schedule: dict, state: _State, timelines: dict) -> str:
+    rows = render_grid(timelines, state.v)
+    for rank in range(state.p):
+        if state.pos[rank] < len(schedule[rank]):
+            stuck = schedule[rank][state.pos[rank]]
+            rows[rank] += f"  [!{stuck}] step {state.pos[rank]} {state.waiting.get(rank, '')}"
+    return "deadlock: no rank can make progress\n" + "\n".join(rows)

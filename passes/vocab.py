@@ -1,0 +1,76 @@
+"""Vocabulary parallelism: the token embedding and the LM head share one shard of the vocabulary.
+
+Pattern: the largest aten.embedding over a weight parameter is the token embedding, its rows the vocabulary V. Each
+rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and all-reduces (one
+all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V (or whose weight is
+the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
+through f, and its logits all-gathered so the caller sees the full logits. Tied weights share the one shard, so their
+gradients meet in the same local tensor. Why it is safe: both are exact reformulations with the sums and
+concatenations done by the collectives.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from .analysis import Analysis, Region, module_path
+from .placements import Replicate, Shard, plain_shard
+from .rules import GEMM_WEIGHT_ARG, Decision
+
+aten = torch.ops.aten
+
+
+def _embeddings(gm, params):
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is aten.embedding.default and n.args[0] in params
+    ]
+
+
+def _heads(gm, params, analysis: Analysis, vocab: int, weight: Node):
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.linear.default or n in analysis.decisions:
+            continue
+        w = n.args[1]
+        if w in params and (w is weight or tuple(w.meta["val"].shape)[0] == vocab):
+            yield n
+
+
+def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
+    """Add the vocab-parallel embedding and LM head decisions to `analysis` (in place; returns it)."""
+    t = analysis.t
+    embeddings = _embeddings(gm, params)
+    if t == 1 or not embeddings:
+        return analysis
+    table = max(embeddings, key=lambda n: n.args[0].meta["val"].shape[0]).args[0]
+    vocab = table.meta["val"].shape[0]
+    record = Region(module_path(next(iter(table.users))), [])
+    heads = list(_heads(gm, params, analysis, vocab, table))
+    names = {h.name for h in heads}
+    analysis.regions[:] = [r for r in analysis.regions if r.columns or not names & set(r.replicated)]
+    users_ok = all(u.target is aten.embedding.default or u in heads for u in table.users)
+    if vocab % t or not users_ok:
+        record.replicated = [table.name]
+        record.reason = (
+            f"vocabulary {vocab} not divisible by t={t}: pad it to {-(-vocab // t) * t}"
+            if vocab % t else f"{table.name} has users other than embeddings and the LM head"
+        )
+        analysis.regions.append(record)
+        return analysis
+    spec = plain_shard(0, vocab)
+    for e in table.users:
+        if e.target is aten.embedding.default:
+            analysis.decisions[e] = Decision(Replicate(), role="vocab_embedding")
+            record.columns.append(e.name)
+    for h in heads:
+        analysis.decisions[h] = Decision(Replicate(), {h.args[0]: None}, role="vocab_head")
+        analysis.param_specs[h.args[1]] = spec
+        if len(h.args) > 2 and isinstance(h.args[2], Node):
+            analysis.param_specs[h.args[2]] = spec
+        record.rows.append(h.name)
+    analysis.param_specs[table] = spec
+    analysis.regions.append(record)
+    return analysis
+
+
+__all__ = ["vocab_analysis", "GEMM_WEIGHT_ARG", "Shard"]
