@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -6,5 +6,6 @@
 """
 from fxpar.api import parallelize
 from fxpar.mesh import init_mesh
+from fxpar.verify import VerifyError, verify
 
-__all__ = ["init_mesh", "parallelize"]
+__all__ = ["init_mesh", "parallelize", "verify", "VerifyError"]

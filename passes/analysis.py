@@ -128,6 +128,16 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int]) -> tuple[dict, di
     return decisions, specs
 
 
+def _common_module(nodes: list[Node]) -> str:
+    paths = [module_path(n).split(".") for n in nodes]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
 def _seed_groups(gm: GraphModule, params: set[Node]) -> dict[Node, list[Node]]:
     groups: dict[Node, list[Node]] = {}
     for n in gm.graph.nodes:
@@ -175,6 +185,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 decisions.update(got)
                 param_specs.update(specs)
                 region.columns = [s.name for s in subset]
+                region.module = _common_module([n for n, d in got.items() if d.role])
                 region.rows = [n.name for n, d in got.items() if d.role == "row"]
                 claimed.update(n for n, d in got.items() if d.role)
                 break

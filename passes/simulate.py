@@ -63,26 +63,28 @@ class _State:
 
     p: int
     v: int
-    costs: dict
+    costs: dict  # kind -> duration in integer ticks
     lowered: bool
     clock: list = field(default_factory=list)
     pos: list = field(default_factory=list)
-    done: dict = field(default_factory=dict)  # (chunk, kind, microbatch) -> end time
+    done: dict = field(default_factory=dict)  # (chunk, kind, microbatch) -> end tick
     received: dict = field(default_factory=dict)  # (rank, message) -> arrival time
     fifo: dict = field(default_factory=dict)  # (src, dst) -> deque[(message, arrival time)]
     waiting: dict = field(default_factory=dict)  # rank -> why its next action is blocked
 
 
-def _costs(costs: Mapping | None, v: int) -> dict:
+def _costs(costs: Mapping | None, v: int) -> tuple[dict, Fraction]:
+    """Per-chunk durations in integer ticks (exact and fast), and the length of one tick."""
     merged = dict(DEFAULT_COSTS, **(costs or {}))
     unknown = set(merged) - set(DEFAULT_COSTS)
     if unknown:
         raise ValueError(f"unknown cost keys {sorted(unknown)}; use {sorted(DEFAULT_COSTS)}")
     for key, value in merged.items():
         if not isinstance(value, (int, float, Fraction)) or value < 0 or (key != "p2p" and value <= 0):
-            raise ValueError(f"cost {key}={value!r} must be a number > 0 (p2p >= 0)")
-    exact = {key: Fraction(value) for key, value in merged.items()}
-    return {F: exact[F] / v, B: exact[B] / v, "p2p": exact["p2p"]}
+            raise ValueError(f"cost {key}={value} must be a number > 0 (p2p >= 0)")
+    exact = {F: Fraction(merged[F]) / v, B: Fraction(merged[B]) / v, "p2p": Fraction(merged["p2p"])}
+    ticks_per_unit = math.lcm(*(d.denominator for d in exact.values()))
+    return {key: int(d * ticks_per_unit) for key, d in exact.items()}, Fraction(1, ticks_per_unit)
 
 
 def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:
@@ -97,8 +99,9 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
     """
     p, v, m = schedule_shape(schedule)
     lowered = any(a.is_p2p for actions in schedule.values() for a in actions)
-    state = _State(p, v, _costs(costs, v), lowered, [Fraction(0)] * p, [0] * p)
-    timelines = {rank: [] for rank in range(p)}
+    ticks, tick = _costs(costs, v)
+    state = _State(p, v, ticks, lowered, [0] * p, [0] * p)
+    spans = {rank: [] for rank in range(p)}
     moved = True
     while moved:
         moved = False
@@ -108,13 +111,14 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
                 span = _HANDLERS[action.kind](state, rank, action)
                 if span is None:
                     break
-                timelines[rank].append((span[0], span[1], action))
+                spans[rank].append((span[0], span[1], action))
                 state.clock[rank], state.pos[rank], moved = span[1], state.pos[rank] + 1, True
+    timelines = {r: [(s * tick, e * tick, a) for s, e, a in spans[r]] for r in range(p)}
     if any(state.pos[r] < len(schedule[r]) for r in range(p)):
         raise DeadlockError(_deadlock_report(schedule, state, timelines))
     _check_drained(state)
-    busy = [sum((e - s for s, e, a in timelines[r] if not a.is_p2p), Fraction(0)) for r in range(p)]
-    return SimResult(p, v, m, timelines, max(state.clock), max(busy))
+    busy = [sum(e - s for s, e, a in spans[r] if not a.is_p2p) for r in range(p)]
+    return SimResult(p, v, m, timelines, max(state.clock) * tick, max(busy) * tick)
 
 
 def check_deadlock_free(lowered: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:
@@ -137,7 +141,7 @@ def _inputs(action: Action, last_chunk: int) -> list[tuple[int, str, int]]:
     return [(c, F, i)] + ([(c + 1, B, i)] if c < last_chunk else [])
 
 
-def _input_ready(state: _State, rank: int, action: Action, dep: tuple[int, str, int]) -> Fraction | None:
+def _input_ready(state: _State, rank: int, action: Action, dep: tuple[int, str, int]) -> int | None:
     """When `dep` is usable by `action` on `rank`, or None while it is not."""
     chunk, kind, microbatch = dep
     if rank_of_chunk(chunk, state.p) == rank or not state.lowered:

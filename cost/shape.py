@@ -1,0 +1,58 @@
+"""The shape of a GPT-like Transformer: the handful of numbers the cost model needs.
+
+Glossary (Narayanan et al. 2021, "PTD-P", arXiv 2104.04473):
+  l  layers                      h  hidden size
+  a  attention heads             s  sequence length
+  V  vocabulary size             B  global batch, in sequences per iteration
+  f  feed-forward hidden size (4h in GPT; every closed form in the paper assumes f = 4h)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-shaped workload: l layers of (attention + MLP), token and position embeddings, an LM head.
+
+    `ffn_hidden=0` means the GPT default f = 4h.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int = 1
+    ffn_hidden: int = 0
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 0:
+            raise ValueError(f"ModelShape.ffn_hidden must be an int >= 0 (0 means 4*hidden), got {self.ffn_hidden!r}")
+        if self.hidden % self.heads:
+            nearby = sorted({d for d in range(1, self.hidden + 1) if self.hidden % d == 0},
+                            key=lambda d: abs(d - self.heads))[:2]
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}; "
+                             f"nearby valid head counts: {', '.join(map(str, sorted(nearby)))}")
+        if self.ffn_hidden == 0:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+
+    @property
+    def head_dim(self) -> int:
+        """h / a."""
+        return self.hidden // self.heads
+
+    def with_batch(self, batch: int) -> "ModelShape":
+        """The same model at a different global batch B."""
+        return dataclasses.replace(self, batch=batch)
+
+    def describe(self) -> str:
+        """One line: l, h, a, s, V, B."""
+        ffn = "" if self.ffn_hidden == 4 * self.hidden else f" f={self.ffn_hidden}"
+        return (f"l={self.layers} h={self.hidden} a={self.heads} s={self.seq} V={self.vocab} "
+                f"B={self.batch}{ffn}")

@@ -1,0 +1,32 @@
+"""Test set-up shared by every test module.
+
+* Puts the repository root on ``sys.path`` so that ``tests.harness`` imports from any working
+  directory and under either pytest import mode. Spawned ranks inherit this ``sys.path``, so they can
+  import the test module that defines a scenario (``test_foo`` or ``tests.test_foo``) by name.
+* After each test module, fails if it left child processes running (an unclosed ``RankPool``).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_processes(request):
+    """Torn down after the module's own fixtures (it is set up first), so its pools are closed by then."""
+    yield
+    leftover = multiprocessing.active_children()
+    for proc in leftover:
+        proc.kill()
+        proc.join()
+    if leftover:
+        pytest.fail(f"{request.module.__name__} left {len(leftover)} child processes running "
+                    f"({', '.join(p.name for p in leftover)}); close each RankPool (use `with` or "
+                    "tests.harness.module_pool)", pytrace=False)
