@@ -28,7 +28,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank v (interleaved-1f1b, gpipe)")
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
-    parser.add_argument("--schedule", choices=SCHEDULE_KINDS, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULE_KINDS, default="1f1b",
+                        help="pipeline schedule (default 1f1b)")
     parser.add_argument("--forward-cost", type=Fraction, default=Fraction(1), help="stage forward time (default 1)")
     parser.add_argument("--backward-cost", type=Fraction, default=Fraction(2), help="stage backward time (default 2)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the grid")

@@ -111,6 +111,8 @@ def view(node: Node, ctx: Ctx) -> Decision:
     _need_divisible(out, ctx.t, node)
     local = list(ctx.shape(node))
     local[out.dim] //= ctx.t
+    if node.target is aten.flatten.using_ints:
+        return Decision(out)  # flatten derives its shape from its input
     if node.target is aten.unflatten.int:
         d = _norm(node.args[1], len(ctx.shape(src)))
         sizes = local[d : d + len(node.args[2])]
@@ -241,6 +243,18 @@ def cat(node: Node, ctx: Ctx) -> Decision:
     return Decision(s, enter)
 
 
+# --- stack: a new dim among the inputs' dims; all inputs alike (GPT-J's rotate_every_two)
+def stack(node: Node, ctx: Ctx) -> Decision:
+    tensors = node.args[0]
+    k = _norm(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    shards = [ctx.p(a) for a in tensors if isinstance(ctx.p(a), Shard)]
+    s = shards[0]
+    if any(o != s for o in shards):
+        raise NoRule(f"{node.name}: stacks differently sharded inputs ({', '.join(map(str, shards))})")
+    enter = {a: s for a in tensors if not isinstance(ctx.p(a), Shard)}
+    return Decision(s.moved(s.dim + (1 if k <= s.dim else 0)), enter)
+
+
 # --- softmax / log_softmax, and reductions over other dims
 def softmax(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
@@ -348,7 +362,7 @@ _register(
     aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
     aten.maximum, aten.minimum, aten.rsub, aten.addcmul,
 )
-_register(view, aten.view, aten.reshape, aten._unsafe_view, aten.unflatten)
+_register(view, aten.view, aten.reshape, aten._unsafe_view, aten.unflatten, aten.flatten)
 _register(expand, aten.expand)
 _register(transpose, aten.transpose)
 _register(permute, aten.permute)
@@ -359,6 +373,7 @@ _register(slice_, aten.slice)
 _register(split, aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
 _register(getitem, operator.getitem)
 _register(cat, aten.cat)
+_register(stack, aten.stack)
 _register(softmax, aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
 _register(reduction, aten.mean, aten.sum, aten.amax, aten.amin, aten.var)
 _register(norm, aten.layer_norm, aten.rms_norm)

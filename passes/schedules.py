@@ -108,7 +108,7 @@ class Action:
         return action
 
 
-Schedule = dict  # dict[int, list[Action]]: pp rank -> its actions, in order
+Schedule = dict[int, list[Action]]  # pp rank -> its actions, in order
 
 
 def format_schedule(schedule: dict[int, list[Action]]) -> dict[int, str]:

@@ -22,6 +22,7 @@ Glossary
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,21 +40,39 @@ class DeadlockError(RuntimeError):
 
 @dataclass(frozen=True)
 class SimResult:
-    """Timelines of one replayed schedule. Times are exact Fractions."""
+    """One replayed schedule. `spans` are per-rank (start, end, Action) in integer ticks of length `tick`;
+    `timelines`, `makespan`, `ideal` and `bubble_fraction` are exact Fractions in the units of the costs."""
 
     p: int
     v: int
     m: int
-    timelines: dict  # rank -> list[(start, end, Action)], p2p actions as zero-length entries
-    makespan: Fraction
-    ideal: Fraction
+    spans: dict  # rank -> list[(start tick, end tick, Action)], p2p actions as zero-length entries
+    tick: Fraction
 
     def __post_init__(self):
-        if self.ideal <= 0:
-            raise ValueError(f"ideal compute time must be > 0, got {self.ideal}; give F and B positive costs")
+        if self.tick <= 0:
+            raise ValueError(f"tick must be > 0, got {self.tick}")
+
+    @functools.cached_property
+    def timelines(self) -> dict[int, list[tuple[Fraction, Fraction, Action]]]:
+        """rank -> list of (start, end, Action) in cost units."""
+        scale = self.tick
+        return {r: [(s * scale, e * scale, a) for s, e, a in spans] for r, spans in self.spans.items()}
+
+    @functools.cached_property
+    def makespan(self) -> Fraction:
+        return max((spans[-1][1] for spans in self.spans.values() if spans), default=0) * self.tick
+
+    @functools.cached_property
+    def ideal(self) -> Fraction:
+        """The busiest rank's compute time."""
+        busy = [sum(e - s for s, e, a in spans if not a.is_p2p) for spans in self.spans.values()]
+        return max(busy) * self.tick
 
     @property
     def bubble_fraction(self) -> Fraction:
+        if self.ideal <= 0:
+            raise ValueError(f"ideal compute time must be > 0, got {self.ideal}; give F and B positive costs")
         return (self.makespan - self.ideal) / self.ideal
 
 
@@ -68,8 +87,8 @@ class _State:
     clock: list = field(default_factory=list)
     pos: list = field(default_factory=list)
     done: dict = field(default_factory=dict)  # (chunk, kind, microbatch) -> end tick
-    received: dict = field(default_factory=dict)  # (rank, message) -> arrival time
-    fifo: dict = field(default_factory=dict)  # (src, dst) -> deque[(message, arrival time)]
+    received: dict = field(default_factory=dict)  # (rank, message) -> arrival tick
+    fifo: dict = field(default_factory=dict)  # (src, dst) -> deque[(message, arrival tick)]
     waiting: dict = field(default_factory=dict)  # rank -> why its next action is blocked
 
 
@@ -113,12 +132,11 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
                     break
                 spans[rank].append((span[0], span[1], action))
                 state.clock[rank], state.pos[rank], moved = span[1], state.pos[rank] + 1, True
-    timelines = {r: [(s * tick, e * tick, a) for s, e, a in spans[r]] for r in range(p)}
+    result = SimResult(p, v, m, spans, tick)
     if any(state.pos[r] < len(schedule[r]) for r in range(p)):
-        raise DeadlockError(_deadlock_report(schedule, state, timelines))
+        raise DeadlockError(_deadlock_report(schedule, state, result.timelines))
     _check_drained(state)
-    busy = [sum(e - s for s, e, a in spans[r] if not a.is_p2p) for r in range(p)]
-    return SimResult(p, v, m, timelines, max(state.clock) * tick, max(busy) * tick)
+    return result
 
 
 def check_deadlock_free(lowered: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:

@@ -1,0 +1,39 @@
+"""CLI targets: `path/file.py:factory` or `package.module:factory`, where factory() returns (model, example_args)
+or (model, example_args, example_kwargs)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+
+def load_factory(spec: str):
+    if ":" not in spec:
+        raise ValueError(f"target {spec!r} must look like path/file.py:factory or package.module:factory")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py") or os.sep in where:
+        path = os.path.abspath(where)
+        if not os.path.exists(path):
+            raise ValueError(f"target file {where!r} does not exist")
+        sys.path.insert(0, os.path.dirname(path))  # so the file's sibling imports work
+        mod_name = "fxpar_target_" + os.path.splitext(os.path.basename(path))[0]
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ValueError(f"target {spec!r}: {where} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def load_target(spec: str):
+    """(model, example_args, example_kwargs) from a target spec."""
+    out = load_factory(spec)()
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise ValueError(f"target {spec!r}: factory must return (model, example_args[, example_kwargs])")
+    model, args = out[0], out[1]
+    kwargs = out[2] if len(out) == 3 else {}
+    return model, tuple(args), dict(kwargs or {})

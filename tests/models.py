@@ -1,0 +1,100 @@
+"""Tiny models built from configs in code (nothing is downloaded): name -> (model, example_args, example_kwargs)."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+VOCAB, BATCH, SEQ = 64, 2, 8
+
+
+def _ids():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _hf(config_cls, model_cls, **cfg):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = getattr(transformers, config_cls)(**cfg)
+    if hasattr(config, "_attn_implementation"):
+        config._attn_implementation = "sdpa"
+    return getattr(transformers, model_cls)(config)
+
+
+def _causal(model):
+    return model, (_ids(),), {"use_cache": False}
+
+
+HF_COMMON = dict(vocab_size=VOCAB)
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=32, **HF_COMMON)
+
+BUILDERS = {
+    "gpt": lambda: _gpt(),
+    "encoder_pre_ln": lambda: _encoder(True),
+    "encoder_post_ln": lambda: _encoder(False),
+    "gpt2": lambda: _causal(_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, n_positions=32,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
+    "llama": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=4, **LLAMA_LIKE)),
+    "llama_gqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
+    "llama_mqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1, **LLAMA_LIKE)),
+    "qwen2": lambda: _causal(_hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
+    "mistral": lambda: _causal(_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
+    "phi3": lambda: _causal(_hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, pad_token_id=0,
+                                **LLAMA_LIKE)),
+    "gpt_neox": lambda: _causal(_hf("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                                    use_parallel_residual=True, **HF_COMMON)),
+    "gptj": lambda: _causal(_hf("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
+    "bert": lambda: _bert(),
+}
+
+
+def _gpt():
+    from gpt import factory
+
+    model, args = factory(batch=BATCH, seq=SEQ, layers=2, hidden=32, heads=4, vocab=VOCAB)
+    return model, args, {}
+
+
+def _encoder(norm_first: bool):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1))
+    return model, (x,), {}
+
+
+def _bert():
+    model = _hf("BertConfig", "BertModel", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, **HF_COMMON)
+    return model, (_ids(),), {}
+
+
+def build(name: str):
+    """A fresh model with deterministic weights, its example args and kwargs."""
+    torch.manual_seed(0)
+    model, args, kwargs = BUILDERS[name]()
+    model.train()
+    return model, args, kwargs
+
+
+def first_tensor(out) -> torch.Tensor:
+    """The main output tensor of any of these models (logits, last hidden state, or the tensor itself)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out[0]
