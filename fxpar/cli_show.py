@@ -52,7 +52,7 @@ def node_rows(pm, shapes) -> list[list]:
         if isinstance(p, tuple):
             p = "(" + ", ".join(map(str, p)) + ")"
         rows.append([n.name, op, args[:60], str(p or "R"), "x".join(map(str, shapes.get(n.name, ()))),
-                     COLLECTIVE.get(n.target, "") if n.op == "call_module" else ""])
+                     COLLECTIVE.get(n.target.rsplit("_", 1)[0], "") if n.op == "call_module" else ""])
     return rows
 
 
@@ -60,7 +60,7 @@ def to_dot(pm) -> str:
     lines = ["digraph fxpar {", "  node [shape=box, fontname=monospace];"]
     placements = {n.name: p for n, p in pm.compiled.analysis.placements.items()}
     for n in pm.graph_module.graph.nodes:
-        color = "tomato" if n.target in COMM_MODULES else "lightblue" if n.name in placements else "white"
+        color = "tomato" if n.op == "call_module" and n.target.rsplit("_", 1)[0] in COMM_MODULES else "lightblue" if n.name in placements else "white"
         lines.append(f'  "{n.name}" [style=filled, fillcolor={color}, label="{n.name}\\n{placements.get(n.name, "")}"];')
         for a in n.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{n.name}";')

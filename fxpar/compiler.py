@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch.fx import GraphModule
 
 from fxpar.passes.analysis import Analysis, analyze
-from fxpar.passes.ops import TPComm, install_comm
+from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import Shard
 from fxpar.passes.tp import tensor_parallel_pass
 from fxpar.passes.vocab import vocab_analysis
@@ -26,10 +26,10 @@ class PassError(RuntimeError):
     pass
 
 
-def passes_for(analysis: Analysis) -> list[tuple[str, object]]:
+def passes_for(analysis: Analysis, comm: TPComm) -> list[tuple[str, object]]:
     """The rewrite passes, in order."""
     return [
-        ("tensor_parallel", functools.partial(tensor_parallel_pass, analysis=analysis)),
+        ("tensor_parallel", functools.partial(tensor_parallel_pass, analysis=analysis, comm=comm)),
     ]
 
 
@@ -64,6 +64,5 @@ def compile_tp(traced: Traced, comm: TPComm) -> Compiled:
     analysis = vocab_analysis(traced.gm, analyze(traced.gm, comm.size, params), params)
     key_of = {name: key for name, _, key in traced.inputs}
     specs = {key_of[n.name]: s for n, s in analysis.param_specs.items()}
-    install_comm(traced.gm, comm)  # the comm modules that the passes' call_module nodes name
-    gm = run_passes(traced.gm, passes_for(analysis))
+    gm = run_passes(traced.gm, passes_for(analysis, comm))
     return Compiled(traced, reference, gm, analysis, specs)

@@ -158,9 +158,3 @@ COMM_MODULES = {
     "tp_f": CopyToTP, "tp_g": ReduceFromTP, "tp_scatter": ScatterToTP, "tp_gather": GatherFromTP,
     "tp_vocab_embedding": VocabParallelEmbedding,
 }
-
-
-def install_comm(gm: nn.Module, comm: TPComm) -> None:
-    """Bind the comm modules that a rewritten graph calls to this rank's context."""
-    for name, cls in COMM_MODULES.items():
-        setattr(gm, name, cls(comm))

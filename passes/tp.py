@@ -16,16 +16,25 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .analysis import Analysis
+from .ops import COMM_MODULES, TPComm
 from .placements import Shard
 
 aten = torch.ops.aten
 
 
+def call_comm(gm: GraphModule, kind: str, comm: TPComm, args: tuple, kwargs: dict | None = None) -> Node:
+    """A call_module node to a new comm module of `kind` (tp_f, tp_g, ...), one module per call site."""
+    i = sum(1 for name, _ in gm.named_children() if name.startswith(kind + "_"))
+    name = f"{kind}_{i}"
+    gm.add_submodule(name, COMM_MODULES[kind](comm))
+    return gm.graph.call_module(name, args, kwargs or {})
+
+
 class _Inserter:
     """Creates the f / scatter nodes once per (input, kind) and reuses them."""
 
-    def __init__(self, gm: GraphModule, analysis: Analysis):
-        self.gm, self.analysis, self.cache = gm, analysis, {}
+    def __init__(self, gm: GraphModule, analysis: Analysis, comm: TPComm):
+        self.gm, self.analysis, self.comm, self.cache = gm, analysis, comm, {}
 
     def enter(self, inp: Node, how: Shard | None) -> Node:
         if how is None and inp not in self.analysis.grad_nodes:
@@ -34,14 +43,14 @@ class _Inserter:
         if key not in self.cache:
             with self.gm.graph.inserting_after(inp):
                 if how is None:
-                    self.cache[key] = self.gm.graph.call_module("tp_f", (inp,))
+                    self.cache[key] = call_comm(self.gm, "tp_f", self.comm, (inp,))
                 else:
                     kwargs = {"dim": how.dim, "parts": how.parts, "pre": how.pre, "post": how.post}
-                    self.cache[key] = self.gm.graph.call_module("tp_scatter", (inp,), kwargs)
+                    self.cache[key] = call_comm(self.gm, "tp_scatter", self.comm, (inp,), kwargs)
         return self.cache[key]
 
 
-def _reduce_then_bias(gm: GraphModule, node: Node) -> None:
+def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> None:
     """Row-parallel GEMM: drop the bias from the GEMM, then g, then add the bias ([Note: row-parallel bias])."""
     graph = gm.graph
     if node.target is aten.linear.default:
@@ -54,7 +63,7 @@ def _reduce_then_bias(gm: GraphModule, node: Node) -> None:
         bias = None
     users = list(node.users)
     with graph.inserting_after(node):
-        out = graph.call_module("tp_g", (node,))
+        out = call_comm(gm, "tp_g", comm, (node,))
     if bias is not None:
         with graph.inserting_after(out):
             out = graph.call_function(aten.add.Tensor, (out, bias))
@@ -62,19 +71,19 @@ def _reduce_then_bias(gm: GraphModule, node: Node) -> None:
         u.replace_input_with(node, out)
 
 
-def _vocab_head(gm: GraphModule, node: Node) -> None:
+def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> None:
     users = list(node.users)
     with gm.graph.inserting_after(node):
-        out = gm.graph.call_module("tp_gather", (node,), {"dim": -1})
+        out = call_comm(gm, "tp_gather", comm, (node,), {"dim": -1})
     for u in users:
         u.replace_input_with(node, out)
 
 
-def tensor_parallel_pass(gm: GraphModule, analysis: Analysis) -> GraphModule:
+def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> GraphModule:
     """Rewrite `gm` in place for tensor parallelism as `analysis` decided; returns gm (unchanged when t == 1)."""
     if not analysis.decisions:
         return gm
-    ins = _Inserter(gm, analysis)
+    ins = _Inserter(gm, analysis, comm)
     for node in list(gm.graph.nodes):
         d = analysis.decisions.get(node)
         if d is None:
@@ -86,11 +95,13 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis) -> GraphModule:
         for inp, how in d.enter.items():
             node.replace_input_with(inp, ins.enter(inp, how))
         if d.role == "row":
-            _reduce_then_bias(gm, node)
+            _reduce_then_bias(gm, node, comm)
         elif d.role == "vocab_embedding":
-            node.op, node.target = "call_module", "tp_vocab_embedding"
+            with gm.graph.inserting_before(node):
+                node.replace_all_uses_with(call_comm(gm, "tp_vocab_embedding", comm, node.args, node.kwargs))
+            gm.graph.erase_node(node)
         elif d.role == "vocab_head":
-            _vocab_head(gm, node)
+            _vocab_head(gm, node, comm)
     gm.graph.lint()
     gm.recompile()
     return gm

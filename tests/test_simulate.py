@@ -14,7 +14,7 @@ from fxpar.passes.lower_schedule import lower
 from fxpar.passes.schedules import Action, build_schedule, parse_schedule
 from fxpar.passes.simulate import DeadlockError, check_deadlock_free, format_result, render_grid, simulate
 
-from test_schedules import GRID
+from tests.test_schedules import GRID
 
 
 def expected_bubble(kind, p, v, m):
@@ -22,11 +22,11 @@ def expected_bubble(kind, p, v, m):
 
 
 def assert_dependencies_respected(result, latency=Fraction(0)):
-    """Independent of the simulator's logic: read the timelines and check every cross-chunk input was ready."""
-    p, last = result.p, result.p * result.v - 1
-    end = {(a.chunk, a.kind, a.microbatch): e for tl in result.timelines.values() for s, e, a in tl if not a.is_p2p}
-    for rank, timeline in result.timelines.items():
-        previous_end = Fraction(0)
+    """Independent of the simulator's logic: read the spans (integer ticks) and check every input was ready."""
+    p, last, latency = result.p, result.p * result.v - 1, latency / result.tick
+    end = {(a.chunk, a.kind, a.microbatch): e for tl in result.spans.values() for s, e, a in tl if not a.is_p2p}
+    for rank, timeline in result.spans.items():
+        previous_end = 0
         for start, stop, a in timeline:
             assert start >= previous_end, f"rank {rank} overlaps at {a}"
             previous_end = stop
