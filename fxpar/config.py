@@ -1,0 +1,32 @@
+"""fxpar.Config: the options of parallelize() beyond the mesh, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Config:
+    microbatches: int = 1  # m: microbatches per pipeline flush
+    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
+    schedule: str = "1f1b"
+    scatter_gather: bool = True  # send 1/t of each boundary activation, all-gather on arrival
+    fuse: bool = True  # fusion passes (bias+GeLU, bias+dropout+add, explicit attention -> SDPA)
+    recompute: str = "none"
+    compile: bool = False  # torch.compile each chunk
+    trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
+    bucket_mb: float = 25.0  # data-parallel gradient bucket size
+
+    def __post_init__(self):
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Config.microbatches must be a positive int, got {self.microbatches!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"Config.virtual_stages must be a positive int, got {self.virtual_stages!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Config.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")
