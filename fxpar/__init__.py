@@ -5,7 +5,8 @@
     fxpar.verify(model, pm, (ids,))
 """
 from fxpar.api import parallelize
+from fxpar.config import Config
 from fxpar.mesh import init_mesh
 from fxpar.verify import VerifyError, verify
 
-__all__ = ["init_mesh", "parallelize", "verify", "VerifyError"]
+__all__ = ["Config", "init_mesh", "parallelize", "verify", "VerifyError"]

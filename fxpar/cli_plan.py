@@ -23,7 +23,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from fxpar.cost.cluster import DEFAULT_LOCAL_PATH, GIB, Cluster, fit_latency_bandwidth, get_cluster
-from fxpar.cost.flops import RECOMPUTE_MODES, parameters, training_days
+from fxpar.cost.flops import RECOMPUTE_MODES, flops_per_iteration, parameters, training_days
 from fxpar.cost.planner import PlanResult, SearchSpace, plan
 from fxpar.cost.shape import ModelShape
 
@@ -97,12 +97,20 @@ def run_plan(args) -> int:
         return 2
     days = None
     if args.tokens:
-        days = training_days(args.tokens, parameters(shape), args.gpus, result.best.tflops_per_gpu * 1e12)
+        days = training_days(args.tokens, parameters(shape), args.gpus, eq4_flops_per_gpu(result))
     if args.json:
         print(json.dumps(plan_json(result, days)))
     else:
         print(format_plan(result, args.top, args.tokens, days))
     return 0
+
+
+def eq4_flops_per_gpu(result: PlanResult) -> float:
+    """X for Eq. 4. Its 8 T P counts 4 passes (full recomputation), so X is Eq. 3's full-recomputation FLOPs
+    over the predicted iteration time, whatever recomputation the plan does: then 8 T P / (n X) is close to
+    (T / (B s)) iterations x seconds per iteration (Eq. 4 drops the attention and logit terms)."""
+    best = result.best
+    return flops_per_iteration(result.shape, "full") / (best.seconds * best.config.gpus)
 
 
 def plan_json(result: PlanResult, days: float | None) -> dict:
@@ -122,20 +130,21 @@ def format_plan(result: PlanResult, top: int, tokens: float | None, days: float 
     shape = result.shape
     lines = [f"{shape.describe()}  P={parameters(shape) / 1e9:.2f}B  on {result.gpus} GPUs of {result.cluster}"]
     rows = [[e.config.tp, e.config.pp, e.config.dp, e.config.microbatch, e.config.vpp, e.config.schedule,
-             e.config.recompute, f"{e.seconds:.3f}", f"{e.tflops_per_gpu:.1f}", f"{e.percent_of_peak:.1f}",
+             e.config.recompute, f"{e.seconds:.4g}", f"{e.tflops_per_gpu:.4g}", f"{e.percent_of_peak:.1f}",
              f"{e.memory.gib:.1f}", f"{e.bubble:.3f}"] for e in result.ranked[:top]]
     headers = ["t", "p", "d", "b", "v", "schedule", "recompute", "s/iter", "TFLOP/s/GPU", "% peak", "GiB/GPU",
                "bubble"]
     lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
-    lines.append(f"{len(result.ranked)} configurations fit; TFLOP/s counts Eq. 3 with the recomputation done")
+    lines.append(f"{len(result.ranked)} configurations fit; TFLOP/s counts Eq. 3 with the recomputation done "
+                 f"(72 B s l h^2 (...) without, 96 B s l h^2 (...) with full recomputation)")
     lines.extend(f"note: {note}" for note in result.notes)
     if result.rejected:
         lines.append("rejected:")
         lines.extend(f"  {reason}: {count} (e.g. {example})" for reason, (count, example) in result.rejected.items())
     if days is not None:
         best = result.best
-        lines.append(f"training {tokens:.3g} tokens at {best.tflops_per_gpu:.1f} TFLOP/s per GPU: {days:.1f} days "
-                     f"(Eq. 4: 8 T P / (n X))")
+        lines.append(f"training {tokens:.3g} tokens: {days:.1f} days (Eq. 4: 8 T P / (n X), X = "
+                     f"{eq4_flops_per_gpu(result) / 1e12:.1f} TFLOP/s per GPU counted with full recomputation)")
     return "\n".join(lines)
 
 

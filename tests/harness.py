@@ -1,25 +1,25 @@
 """Multi-process gloo harness for tests: one pool of ranks per test module (STYLE.md item 13).
 
-Modelled on PyTorch's ``MultiProcContinuousTest``:
+Modelled on PyTorch's ``MultiProcContinuousTest``. ``RankPool(world_size)`` spawns its ranks at the first
+``run`` and keeps them for every later one, since a gloo group costs 3 to 4 s to start on 2 cores.
+``spawn``, never ``fork`` (forking a process that already runs torch's threads is unsafe). Each rank runs
+one thread and joins the group through a ``FileStore`` in a fresh temporary directory (no port to collide
+on), with a process-group timeout so that a stuck collective raises.
 
-* ``RankPool(world_size)`` spawns its ranks once and keeps them for many scenarios, since starting a
-  gloo group costs 3 to 4 s for 2 ranks on 2 cores. ``spawn``, never ``fork`` (torch's threads do not
-  survive a fork). Each rank runs one thread, rendezvouses through a ``FileStore`` in a fresh temporary
-  directory (no port to collide on) and gets a process-group timeout, so a stuck collective raises.
-* ``pool.run(fn, *args, **kwargs)`` runs ``fn`` once on every rank and returns the results in rank
-  order. ``fn`` travels by reference (module and qualified name), so it must be a module-level function,
-  e.g. in ``tests/test_foo.py``: each rank imports that module. Ranks run no hidden collective between
-  scenarios; they only call ``torch.manual_seed(0)`` before each one.
-* Messages are ``pickle`` bytes over one ``Pipe`` per rank. We pickle ourselves rather than use
-  ``Connection.send``, because torch registers shared-memory tensor reducers with multiprocessing's
-  pickler, and those break when a rank is killed.
-* The parent waits on the pipes and the process sentinels together, so a crash (segfault, ``os._exit``,
-  OOM kill) is seen at once, not at the timeout. At the first error, crash or deadline it kills every
-  rank and raises ``RankFailure`` with the failing rank's traceback; the next ``run`` starts fresh ranks,
-  so one failing test does not break the rest of its module.
+``pool.run(fn, *args, **kwargs)`` sends a scenario to every rank and returns the results in rank order.
+``fn`` travels by reference (module and qualified name): it must be a module-level function, e.g. of
+``tests/test_foo.py``, which each rank then imports. Between scenarios ranks run no hidden collective;
+they only call ``torch.manual_seed(0)``. Messages are ``pickle`` bytes over one ``Pipe`` per rank, not
+``Connection.send``, whose pickler carries torch's shared-memory tensor reducers (they break when a rank
+is killed). Workers import torch only after setting ``OMP_NUM_THREADS``, hence the local imports.
 
-Glossary: *rank*, one worker process of the pool; *scenario*, the function a test runs on every rank;
-*deadline*, the parent's own limit on one ``run`` (``run_timeout_s``), a backstop behind the gloo timeout.
+The parent waits on the pipes and the process sentinels together, so a crash (segfault, ``os._exit``, OOM
+kill) is seen at once, not at the timeout. At the first error, crash or deadline it kills every rank and
+raises ``RankFailure`` with the failing rank's traceback; the next ``run`` starts fresh ranks, so one
+failing test does not break the rest of its module.
+
+Glossary: *rank*, one worker process; *scenario*, the function a test runs on every rank; *deadline*, the
+parent's own limit on one ``run`` (``run_timeout_s``), a backstop behind the gloo timeout.
 Import this module as ``tests.harness`` (``tests/conftest.py`` puts the repository root on ``sys.path``).
 """
 from __future__ import annotations
@@ -30,11 +30,13 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
+from pathlib import Path
 
 _STOP = b"stop"  # close() sentinel; scenario payloads are pickles, which never equal it
 _KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL
@@ -91,8 +93,8 @@ class RankPool:
                  start_timeout_s: float = 120.0):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"RankPool world_size must be a positive int, got {world_size!r}")
-        for name, value in [("timeout_s", timeout_s), ("run_timeout_s", run_timeout_s),
-                            ("start_timeout_s", start_timeout_s)]:
+        limits = {"timeout_s": timeout_s, "run_timeout_s": run_timeout_s, "start_timeout_s": start_timeout_s}
+        for name, value in limits.items():
             if value is not None and not value > 0:
                 raise ValueError(f"RankPool {name} must be > 0 seconds, got {value!r}")
         self.world_size = world_size
@@ -125,11 +127,7 @@ class RankPool:
         try:
             if not self._procs:
                 self._start()
-            for conn in self._conns:
-                try:
-                    conn.send_bytes(payload)
-                except OSError:
-                    pass  # that rank died while idle; _gather reports it
+            self._send_all(payload)
             return self._gather(label, self.run_timeout_s)
         except BaseException:
             self._kill()  # Ctrl-C or a harness bug: leave no rank behind (a no-op after RankFailure)
@@ -140,15 +138,18 @@ class RankPool:
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            try:
-                conn.send_bytes(_STOP)
-            except OSError:
-                pass
+        self._send_all(_STOP)
         end = time.monotonic() + _CLOSE_GRACE_S
         for proc in self._procs:
             proc.join(max(0.0, end - time.monotonic()))
         self._kill()
+
+    def _send_all(self, payload: bytes) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                pass  # a rank that died while idle: _gather reports it, _kill reaps it
 
     def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="fxpar-ranks-")
@@ -193,23 +194,33 @@ class RankPool:
         raise RankFailure("\n".join(lines), first, failures)
 
     def _poll(self, ranks: list[int], results: dict, failures: dict) -> None:
-        """Move every reply already sent by ``ranks`` into ``results`` or ``failures``, without blocking."""
+        """Move every reply already sent by ``ranks`` into ``results`` or ``failures``, without blocking.
+
+        Deaths go into ``failures`` before errors: when a rank dies its peers fail too ("Connection reset
+        by peer"), and the parent often sees both at once; the dead rank is the one to report first.
+        """
+        deaths, errors = {}, {}
         for r in ranks:
             conn, proc = self._conns[r], self._procs[r]
             if conn.poll():
                 try:
-                    status, value = pickle.loads(conn.recv_bytes())
+                    reply = conn.recv_bytes()
                 except (EOFError, OSError):
-                    failures[r] = self._death_report(r)
+                    deaths[r] = self._death_report(r)
                     continue
-                (results if status == "ok" else failures)[r] = value
+                try:
+                    status, value = pickle.loads(reply)
+                except Exception:
+                    status, value = "error", f"its reply does not unpickle here:\n{traceback.format_exc()}"
+                (results if status == "ok" else errors)[r] = value
             elif not proc.is_alive():
-                failures[r] = self._death_report(r)
+                deaths[r] = self._death_report(r)
+        failures.update(deaths)
+        failures.update(errors)
 
     def _death_report(self, r: int) -> str:
-        proc = self._procs[r]
-        proc.join(1.0)  # its pipe closes a moment before its exit status is ready
-        code = proc.exitcode
+        self._procs[r].join(1.0)  # its pipe closes a moment before its exit status is ready
+        code = self._procs[r].exitcode
         if code is None:
             how = "closed its pipe but is still alive"
         elif code < 0:
@@ -221,19 +232,10 @@ class RankPool:
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask ``ranks`` for their Python stacks (faulthandler on SIGUSR1) to show where they hang."""
         for r in ranks:
-            try:
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+            os.kill(self._procs[r].pid, signal.SIGUSR1)  # not yet joined, so the pid is still this rank's
         time.sleep(0.5)
-        stacks = {}
-        for r in ranks:
-            try:
-                with open(os.path.join(self._dir, f"stacks.{r}")) as f:
-                    stacks[r] = f.read() or "(none written)"
-            except OSError as e:
-                stacks[r] = f"(unreadable: {e})"
-        return stacks
+        files = {r: Path(self._dir, f"stacks.{r}") for r in ranks}
+        return {r: f.read_text() if f.exists() else "(none: it had not booted)" for r, f in files.items()}
 
     def _kill(self) -> None:
         """SIGTERM every rank, SIGKILL those still alive after a grace period, and forget them."""
@@ -266,13 +268,6 @@ def _pickle_scenario(fn, args: tuple, kwargs: dict) -> bytes:
             "their args and kwargs must pickle too.") from e
 
 
-def _recv(conn) -> bytes | None:
-    try:
-        return conn.recv_bytes()
-    except (EOFError, OSError):
-        return None  # the parent is gone
-
-
 def _worker(rank_: int, world_size_: int, tmp_dir: str, timeout_s: float, start_timeout_s: float, conn) -> None:
     """One rank: join the gloo group, then run scenarios until the stop sentinel or the parent's exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills the ranks
@@ -296,15 +291,18 @@ def _worker(rank_: int, world_size_: int, tmp_dir: str, timeout_s: float, start_
     conn.send_bytes(pickle.dumps(reply))
     if reply[0] != "ok":
         return
-    while (payload := _recv(conn)) not in (None, _STOP):
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            torch.manual_seed(0)
-            reply_bytes = pickle.dumps(("ok", fn(*args, **kwargs)))
-        except BaseException:
-            reply_bytes = pickle.dumps(("error", traceback.format_exc()))
-        try:
+    try:  # EOFError or OSError here: the parent is gone
+        while (payload := conn.recv_bytes()) != _STOP:
+            try:
+                fn, args, kwargs = pickle.loads(payload)
+                torch.manual_seed(0)
+                reply_bytes = pickle.dumps(("ok", fn(*args, **kwargs)))
+            except BaseException:
+                reply_bytes = pickle.dumps(("error", traceback.format_exc()))
             conn.send_bytes(reply_bytes)
-        except OSError:
-            break  # the parent is gone
+    except (EOFError, OSError):
+        pass
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown of torch: 0.7 s of CPU per rank, nothing to save

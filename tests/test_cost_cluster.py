@@ -1,0 +1,65 @@
+"""Clusters as data, the latency/bandwidth fit, and cost/ importing nothing of ours."""
+import ast
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxpar.cost.cluster import Cluster, builtin_clusters, fit_latency_bandwidth, get_cluster, load_cluster, save_cluster
+
+COST_DIR = Path(__file__).resolve().parents[1] / "cost"
+
+
+def test_builtin_clusters():
+    clusters = builtin_clusters()
+    assert set(clusters) == {"selene", "dgx2h", "h100"}
+    assert clusters["selene"].gpus_per_node == 8 and clusters["dgx2h"].gpus_per_node == 16
+    assert clusters["selene"].inter_bandwidth == pytest.approx(8 * 200e9 / 8 / 8)  # 8x 200 Gb/s per 8 GPUs
+    assert get_cluster("a100") == clusters["selene"] and get_cluster("V100") == clusters["dgx2h"]
+
+
+def test_cluster_validation_names_the_field():
+    with pytest.raises(ValueError, match="gemm_efficiency must be in"):
+        dataclasses.replace(builtin_clusters()["selene"], gemm_efficiency=1.5)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        dataclasses.replace(builtin_clusters()["selene"], gpus_per_node=0)
+
+
+def test_json_round_trip_and_unknown_keys(tmp_path):
+    path = save_cluster(builtin_clusters()["h100"], tmp_path / "sub" / "h100.json")
+    assert load_cluster(path) == builtin_clusters()["h100"] == get_cluster(str(path))
+    with pytest.raises(ValueError, match=r"unknown cluster keys \['bogus'\]"):
+        Cluster.from_dict({**builtin_clusters()["h100"].to_dict(), "bogus": 1})
+
+
+def test_unknown_cluster_lists_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="unknown cluster 'tpu'; choose one of: .*selene"):
+        get_cluster("tpu")
+    with pytest.raises(ValueError, match="fxpar calibrate --out"):
+        get_cluster(str(tmp_path / "missing.json"))
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e5, 1e6, 1e7]
+    latency, bandwidth = fit_latency_bandwidth(sizes, [2e-5 + s / 3e9 for s in sizes])
+    assert latency == pytest.approx(2e-5) and bandwidth == pytest.approx(3e9)
+    with pytest.raises(ValueError, match="does not grow with size"):
+        fit_latency_bandwidth([1, 2, 3], [3, 2, 1])
+
+
+def test_cost_imports_only_stdlib_and_itself():
+    allowed = set(sys.stdlib_module_names) | {"__future__"}
+    for path in sorted(COST_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from .flops import ...
+                    continue
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in allowed or name.startswith("fxpar.cost"), f"{path.name} imports {name}"
