@@ -6,8 +6,10 @@ import warnings
 import torch.nn as nn
 
 from fxpar.compiler import compile_tp
+from fxpar.config import Config
 from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
+from fxpar.pipeline import PipelineModule
 from fxpar.passes.ops import TPComm
 from fxpar.passes.plan import make_plan
 from fxpar.trace import trace
@@ -17,8 +19,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None) -> ParallelModule:
-    """Trace, analyze, rewrite and shard `model` for the rank described by `comm` (no mesh needed)."""
+def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
+          mesh=None, config: Config | None = None, loss_fn=None) -> ParallelModule:
+    """Trace, analyze, rewrite and shard `model` for the rank described by `comm`.
+
+    With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
+    and no mesh is needed (a simulated rank when comm has no group)."""
     traced = trace(model, example_args, example_kwargs)
     compiled = compile_tp(traced, comm)
     blocked = [r for r in compiled.analysis.regions if r.indivisible and not r.columns]
@@ -29,7 +35,10 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
             f"GEMMs {', '.join(r.replicated)}: {r.reason}.\n"
             "Fix: choose a tensor-parallel degree that divides the heads and hidden sizes."
         )
-    pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
+    if loss_fn is not None:
+        pm = PipelineModule(model, compiled, comm, mesh, config or Config(), loss_fn)
+    else:
+        pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
     pm.__dict__["compiled"] = compiled
     pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)))
     if comm.size > 1 and not pm.plan.sharded_regions:
@@ -41,11 +50,15 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     return pm
 
 
-def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None, **kw):
+def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None,
+                loss_fn=None, config: Config | None = None, **kw):
     """Parallelize an unmodified model over `mesh` (a (pp, dp, tp) DeviceMesh from fxpar.init_mesh).
 
     Returns an nn.Module: calling it returns what `model` returns, replicated on every tp rank; its parameters are
     this rank's shards; `full_state_dict()` gathers them under the original keys; `plan` lists every decision.
+    With `loss_fn(output, target)` it also trains with `pm.step(*global_batch, target=...)`, which runs the
+    pipeline schedule of `config` (required when pp > 1) and the data-parallel gradient all-reduce.
+    example_args are one microbatch's inputs.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpar.parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -55,4 +68,14 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         check_mesh(mesh)
     if kw:
         raise TypeError(f"fxpar.parallelize: unexpected arguments {sorted(kw)}")
-    return build(model, tp_comm(mesh), example_args, example_kwargs)
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"fxpar.parallelize: config must be an fxpar.Config, got {type(config).__name__}")
+    pp = mesh.size(0) if mesh is not None else 1
+    if pp > 1 and loss_fn is None:
+        raise ValueError(
+            f"fxpar.parallelize: the mesh has pp={pp} pipeline stages, which compute the loss on the last stage: "
+            "pass loss_fn=fn, where fn(output, target) returns the scalar loss of one microbatch."
+        )
+    if loss_fn is not None and mesh is None:
+        raise ValueError("fxpar.parallelize: loss_fn (training with step()) needs a mesh from fxpar.init_mesh")
+    return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn)

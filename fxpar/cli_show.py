@@ -5,12 +5,8 @@ exactly the graph and local weight shapes that rank would run.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 from tabulate import tabulate
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpar.api import build
 from fxpar.passes.ops import COMM_MODULES, TPComm
@@ -30,12 +26,7 @@ def add_parser(sub) -> None:
 
 
 def _local_shapes(pm, args, kwargs) -> dict[str, tuple]:
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    flat = pm.flatten_inputs(args, kwargs)
-    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in pm.graph_inputs(flat)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        FakeTensorProp(pm.graph_module, mode).propagate(*inputs)
+    pm.propagate_local_shapes(pm.flatten_inputs(args, kwargs))
     return {n.name: tuple(n.meta["val"].shape) for n in pm.graph_module.graph.nodes
             if isinstance(n.meta.get("val"), torch.Tensor)}
 

@@ -5,11 +5,15 @@ local shards, so any torch.optim optimizer works on them. Tied parameters are on
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import Shard, local_shard, unshard
@@ -33,7 +37,9 @@ def _register(root: nn.Module, key: str, value, buffer: bool, persistent: bool =
 class ParallelModule(nn.Module):
     """`pm(*args)` returns what `model(*args)` returns; its parameters are this rank's shards."""
 
-    def __init__(self, model: nn.Module, traced: Traced, gm: GraphModule, specs: dict[str, Shard], comm: TPComm):
+    def __init__(self, model: nn.Module, traced: Traced, gm: GraphModule, specs: dict[str, Shard], comm: TPComm,
+                 used_keys: set[str] | None = None):
+        """used_keys: the state keys this rank's graphs read (a pipeline stage holds only its own); None: all."""
         super().__init__()
         self.__dict__["graph_module"] = gm  # not a submodule: parameters live under their original names
         self.__dict__["traced"] = traced
@@ -48,8 +54,9 @@ class ParallelModule(nn.Module):
         self._keys = list(model.state_dict(keep_vars=True))  # persistent keys, in the model's order
         shared_specs = {self._aliases[k]: s for k, s in specs.items()}  # tied keys share one shard
         self.specs = shared_specs
+        owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
         for key, reg in self._aliases.items():
-            if key != reg:
+            if key != reg or (owned is not None and key not in owned):
                 continue
             tensor = originals[key]
             local = tensor.detach()
@@ -100,12 +107,33 @@ class ParallelModule(nn.Module):
         out = self.graph_module(*self.graph_inputs(flat))
         return pytree.tree_unflatten(list(out), self.traced.out_spec)
 
+    def propagate_local_shapes(self, flat_user: list) -> None:
+        """Set node.meta["val"] of the rewritten graph to this rank's local shapes (fake tensors, no communication)."""
+        gm, saved = self.graph_module, {}
+        for name, mod in gm.named_children():
+            if isinstance(getattr(mod, "comm", None), TPComm):
+                saved[name] = mod.comm
+                mod.comm = TPComm(mod.comm.rank, mod.comm.size)  # simulated: keeps shapes, skips collectives
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.graph_inputs(flat_user)]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                FakeTensorProp(gm, mode).propagate(*inputs)
+        finally:
+            for name, comm in saved.items():
+                gm.get_submodule(name).comm = comm
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original state_dict keys, tied keys included (collective over the tp group)."""
+        """Full tensors under the original state_dict keys, tied keys included (collective over the tp group).
+
+        On a pipeline stage, only the keys the stage holds."""
         full = {}
         for key in self._keys:
             reg = self._aliases[key]
+            if reg not in self._state:
+                continue
             if reg not in full:
                 local = self._state[reg].detach()
                 full[reg] = unshard(self.comm.all_gather(local), self.specs[reg]) if reg in self.specs else local.clone()
@@ -116,6 +144,8 @@ class ParallelModule(nn.Module):
         rows = []
         for key in self._keys:
             reg = self._aliases[key]
+            if reg not in self._state:
+                continue  # held by another pipeline stage
             spec = self.specs.get(reg)
             rows.append(WeightShard(key, tuple(model_state[key].shape), str(spec) if spec else "R",
                                     tuple(self._state[reg].shape)))

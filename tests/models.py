@@ -55,13 +55,18 @@ BUILDERS = {
     "gptj": lambda: _causal(_hf("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                 n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
     "bert": lambda: _bert(),
+    # deeper ones, for pipeline stages
+    "gpt5": lambda: _gpt(layers=5),
+    "gpt8": lambda: _gpt(layers=8),
+    "llama8": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2,
+                                  **(LLAMA_LIKE | {"num_hidden_layers": 8}))),
 }
 
 
-def _gpt():
+def _gpt(layers: int = 2):
     from gpt import factory
 
-    model, args = factory(batch=BATCH, seq=SEQ, layers=2, hidden=32, heads=4, vocab=VOCAB)
+    model, args = factory(batch=BATCH, seq=SEQ, layers=layers, hidden=32, heads=4, vocab=VOCAB)
     return model, args, {}
 
 

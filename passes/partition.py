@@ -1,0 +1,226 @@
+"""Partition: cut a (tensor-parallel) graph into p*v pipeline chunks at transformer-layer boundaries.
+
+Glossary
+    block     the repeated module of the model (GPT's `h.N`, Llama's `model.layers.N`), found from nn_module_stack:
+              the ModuleList whose children 0..L-1 own the most nodes.
+    chunk     a contiguous run of layers; chunk i runs on pipeline rank i mod p ([Note: pipeline ownership]).
+              The embedding (everything before the first layer) joins chunk 0; the head and the model's outputs
+              join the last chunk.
+    boundary  the values a chunk hands to the next: every value made from parameters in an earlier chunk and used
+              in a later one (usually just the residual stream). Values made only from the inputs, buffers and
+              constants (masks, rotary tables, position ids) are not sent: each chunk recomputes its own copy.
+
+Pattern: layers get a cost (GEMM FLOPs, plus elements for the rest), and a linear-partition DP splits them into p*v
+contiguous chunks that minimize the most expensive chunk. Every layer lands in exactly one chunk, so a layer count
+that p*v does not divide is balanced, never dropped. Why it is safe: each chunk's graph is the original nodes in
+their original order; the boundary carries exactly the values that cross it, so chaining the chunks computes the
+same function as the whole graph.
+
+[Note: pipeline ownership]
+    Chunk i belongs to pp rank i mod p. A parameter used by chunks on two ranks (tied embeddings) has one owner of
+    record (the first) and both owners all-reduce its gradient after the flush.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .rules import GEMM_WEIGHT_ARG
+
+aten = torch.ops.aten
+_INDEXED = re.compile(r"^(.*?)\.?(\d+)$")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    gm: GraphModule
+    inputs: tuple[str, ...]  # placeholder names of gm, in order: graph inputs (params, buffers, user) or boundary
+    boundary_in: tuple[str, ...]  # the subset of inputs received from the previous chunk
+    boundary_out: tuple[str, ...]  # what it sends to the next chunk (empty for the last chunk)
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    chunks: tuple[Chunk, ...]
+    block: str  # the repeated module's path, e.g. "model.layers"
+    layer_cost: tuple[float, ...]
+
+    def __post_init__(self):
+        seen = [layer for c in self.chunks for layer in c.layers]
+        if seen != list(range(len(self.layer_cost))):
+            raise ValueError(f"partition must cover every layer once, in order; got {seen}")
+
+
+def find_block(gm: GraphModule) -> tuple[str, dict[Node, int]]:
+    """The repeated block's path and each node's layer index (nodes outside any layer are absent)."""
+    owners: Counter = Counter()
+    per_node: dict[Node, dict[str, int]] = {}
+    for n in gm.graph.nodes:
+        found = {}
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            m = _INDEXED.match(path)
+            if m:
+                found.setdefault(m.group(1), int(m.group(2)))
+        per_node[n] = found
+        owners.update(found.keys())
+    candidates = [b for b in owners if len({f[b] for f in per_node.values() if b in f}) >= 1]
+    if not candidates:
+        raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into stages")
+    block = max(candidates, key=lambda b: (owners[b] * len({f[b] for f in per_node.values() if b in f}), -len(b)))
+    return block, {n: f[block] for n, f in per_node.items() if block in f}
+
+
+def node_cost(n: Node) -> float:
+    """FLOPs of a GEMM from its meta shapes; elements written for anything else."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return 0.0
+    if n.target in GEMM_WEIGHT_ARG or n.target in (aten.matmul.default, aten.bmm.default):
+        a = n.args[GEMM_WEIGHT_ARG[n.target][1]] if n.target in GEMM_WEIGHT_ARG else n.args[0]
+        k = a.meta["val"].shape[-1] if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor) else 1
+        return 2.0 * v.numel() * k
+    if n.target is aten.scaled_dot_product_attention.default:
+        q = n.args[0].meta["val"]
+        return 4.0 * q.numel() * n.args[1].meta["val"].shape[-2]
+    return float(v.numel())
+
+
+def balance(costs: list[float], pre: float, post: float, k: int) -> list[list[int]]:
+    """Split layers into k contiguous non-empty runs minimizing the largest run's cost (pre/post join the ends)."""
+    L = len(costs)
+    if k > L:
+        raise ValueError(f"cannot cut {L} layers into p*v = {k} chunks: each chunk needs a layer; use p*v <= {L}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i, j):  # layers i..j-1 as one chunk
+        return prefix[j] - prefix[i] + (pre if i == 0 else 0.0) + (post if j == L else 0.0)
+
+    best = [[math.inf] * (L + 1) for _ in range(k + 1)]
+    cut = [[0] * (L + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(c, L - (k - c) + 1):
+            for i in range(c - 1, j):
+                val = max(best[c - 1][i], cost(i, j))
+                if val < best[c][j]:
+                    best[c][j], cut[c][j] = val, i
+    runs, j = [], L
+    for c in range(k, 0, -1):
+        i = cut[c][j]
+        runs.append(list(range(i, j)))
+        j = i
+    return runs[::-1]
+
+
+def _chunk_of_nodes(gm: GraphModule, layer_of: dict[Node, int], runs: list[list[int]]) -> dict[Node, int]:
+    chunk_of_layer = {layer: c for c, run in enumerate(runs) for layer in run}
+    first_layer_pos = min(i for i, n in enumerate(gm.graph.nodes) if n in layer_of)
+    out: dict[Node, int] = {}
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        if n.op == "output":
+            out[n] = len(runs) - 1
+        elif n in layer_of:
+            out[n] = chunk_of_layer[layer_of[n]]
+        else:  # inserted nodes (f, g, bias adds) follow their inputs; the rest by position
+            ins = [out[a] for a in n.all_input_nodes if a in out]
+            out[n] = max(ins) if ins else (0 if i < first_layer_pos else len(runs) - 1)
+    return out
+
+
+def _param_dependent(gm: GraphModule, params: set[Node]) -> set[Node]:
+    dep = set(params)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def partition_pass(gm: GraphModule, params: set[Node], k: int) -> Partition:
+    """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph."""
+    block, layer_of = find_block(gm)
+    L = max(layer_of.values()) + 1
+    costs = [0.0] * L
+    pre = post = 0.0
+    first = min(i for i, n in enumerate(gm.graph.nodes) if n in layer_of)
+    for i, n in enumerate(gm.graph.nodes):
+        if n in layer_of:
+            costs[layer_of[n]] += node_cost(n)
+        elif i < first:
+            pre += node_cost(n)
+        else:
+            post += node_cost(n)
+    runs = balance(costs, pre, post, k)
+    chunk_of = _chunk_of_nodes(gm, layer_of, runs)
+    sent = _param_dependent(gm, params)
+    crossing = _crossing(gm, chunk_of, sent, k)
+    chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(runs[c])) for c in range(k))
+    return Partition(chunks, block, tuple(costs))
+
+
+def _crossing(gm, chunk_of, sent, k) -> list[list[Node]]:
+    """crossing[c]: parameter-dependent values made before chunk c and used in chunk c or later, in graph order."""
+    last_use: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            if a in sent and a in chunk_of and chunk_of[a] < chunk_of.get(n, 0):
+                last_use[a] = max(last_use.get(a, 0), chunk_of[n])
+    return [[a for a in last_use if chunk_of[a] < c <= last_use[a]] for c in range(k)]
+
+
+def _build_chunk(gm, c, chunk_of, sent, crossing, layers) -> Chunk:
+    graph, env = Graph(), {}
+    own = [n for n in gm.graph.nodes if chunk_of.get(n) == c and n.op != "output"]
+    needed = _recompute_closure(own, chunk_of, sent, set(crossing[c]), c)
+    boundary_in = [graph.placeholder(a.name) for a in crossing[c]]
+    env.update(zip(crossing[c], boundary_in))
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"
+              and any(n in u.all_input_nodes for u in needed + own)]
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in needed + own:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    if c == len(crossing) - 1:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        graph.output(torch.fx.map_arg(out.args[0], lambda a: env[a]))
+        boundary_out = ()
+    else:
+        nxt = crossing[c + 1]
+        graph.output(tuple(env[a] for a in nxt))
+        boundary_out = tuple(a.name for a in nxt)
+    sub = GraphModule(_modules_used(gm, needed + own), graph, class_name=f"Chunk{c}")
+    names = tuple(a.name for a in crossing[c]) + tuple(n.name for n in inputs)
+    return Chunk(c, sub, names, tuple(a.name for a in crossing[c]), boundary_out, layers)
+
+
+def _recompute_closure(own, chunk_of, sent, received, c) -> list[Node]:
+    """Earlier-chunk nodes that own nodes need and that are recomputed here (not parameter-dependent)."""
+    need, stack = set(), [a for n in own for a in n.all_input_nodes]
+    while stack:
+        a = stack.pop()
+        if a in need or a in received or a.op == "placeholder" or chunk_of.get(a) == c:
+            continue
+        assert a not in sent, f"{a.name} depends on parameters but does not cross the boundary"
+        need.add(a)
+        stack.extend(a.all_input_nodes)
+    order = {n: i for i, n in enumerate(next(iter(own)).graph.nodes)} if own else {}
+    return sorted(need, key=order.__getitem__)
+
+
+def _modules_used(gm: GraphModule, nodes: list[Node]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for n in nodes:
+        if n.op == "call_module":
+            root.add_module(n.target, gm.get_submodule(n.target))
+    return root
