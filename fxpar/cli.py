@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        from fxpar.cli_run import torchrun  # everything after `run` belongs to torchrun, options first
+
+        return torchrun(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -128,7 +128,9 @@ def plan_json(result: PlanResult, days: float | None) -> dict:
 def format_plan(result: PlanResult, top: int, tokens: float | None, days: float | None) -> str:
     """Header, the table of the `top` fastest configurations, notes, rejection counts, Eq. 4 estimate."""
     shape = result.shape
-    lines = [f"{shape.describe()}  P={parameters(shape) / 1e9:.2f}B  on {result.gpus} GPUs of {result.cluster}"]
+    params = parameters(shape)
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+    lines = [f"{shape.describe()}  P={size}  on {result.gpus} GPUs of {result.cluster}"]
     rows = [[e.config.tp, e.config.pp, e.config.dp, e.config.microbatch, e.config.vpp, e.config.schedule,
              e.config.recompute, f"{e.seconds:.4g}", f"{e.tflops_per_gpu:.4g}", f"{e.percent_of_peak:.1f}",
              f"{e.memory.gib:.1f}", f"{e.bubble:.3f}"] for e in result.ranked[:top]]

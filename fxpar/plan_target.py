@@ -17,36 +17,14 @@ Where each number comes from in the graph:
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
-from pathlib import Path
 
 import torch
 
 from fxpar.cost.shape import ModelShape
+from fxpar.target import load_factory
 
 NN_MODULE_STACK = "nn_module_stack"
-
-
-def load_factory(target: str):
-    """Import `file.py:factory` or `module:factory` and return the factory callable."""
-    if ":" not in target:
-        raise ValueError(f"TARGET {target!r} must be 'path/file.py:factory' or 'module:factory'")
-    where, name = target.rsplit(":", 1)
-    if where.endswith(".py") or Path(where).is_file():
-        path = Path(where).resolve()
-        if not path.is_file():
-            raise ValueError(f"TARGET {target!r}: file {path} does not exist")
-        spec = importlib.util.spec_from_file_location(f"fxpar_plan_target_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"TARGET {target!r}: {where} has no callable {name!r}")
-    return factory
 
 
 def trace_on_meta(factory) -> torch.export.ExportedProgram:

@@ -10,7 +10,7 @@ import sys
 
 def load_factory(spec: str):
     if ":" not in spec:
-        raise ValueError(f"target {spec!r} must look like path/file.py:factory or package.module:factory")
+        raise ValueError(f"TARGET {spec!r} must be 'path/file.py:factory' or 'module:factory'")
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py") or os.sep in where:
         path = os.path.abspath(where)
@@ -24,9 +24,10 @@ def load_factory(spec: str):
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
-    if not hasattr(module, name):
-        raise ValueError(f"target {spec!r}: {where} has no attribute {name!r}")
-    return getattr(module, name)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"TARGET {spec!r}: {where} has no callable {name!r}")
+    return factory
 
 
 def load_target(spec: str):

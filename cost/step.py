@@ -1,0 +1,230 @@
+"""Time per training iteration of a GPT on a cluster, for one (p, t, d, b, v) configuration.
+
+Glossary (PTD-P): t tensor-parallel, p pipeline-parallel, d data-parallel degree; b microbatch;
+m = B / (d b) microbatches per pipeline; v chunks per device; e bytes per element.
+
+Rank layout (Megatron's): tensor-parallel ranks are adjacent (inside a node when t <= GPUs per node),
+then data-parallel, then pipeline stages, so a pipeline crosses nodes when t d p > GPUs per node; then
+every boundary is priced at the inter-node link (the slowest boundary sets the pace).
+
+Iteration time:
+  T = (m + (p-1)/v) x T_stage  +  T_dp  +  T_tied  +  T_optimizer
+  T_stage  = one microbatch through the heaviest stage: its layers' forward, backward and recomputation,
+             their tensor-parallel all-reduces, the LM head on the last stage, and 2 v pipeline sends.
+Overlap assumptions (Megatron-LM as of PTD-P, 2021):
+  - tensor-parallel all-reduces block the compute that needs their result: no overlap;
+  - pipeline sends and receives are blocking (batched isend/irecv): on the critical path, no overlap;
+  - the data-parallel gradient all-reduce runs after the pipeline flush: no overlap with backward;
+  - the tied-embedding gradient all-reduce (first <-> last stage) and the optimizer step follow it;
+  - the bubble (p-1)/v x T_stage is idle time; stages are taken as equal to the heaviest one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cluster import Cluster
+from .comm import allreduce_seconds, p2p_seconds, pp_boundary_elements, ring_seconds
+from .compute import head_seconds, layer_seconds
+from .flops import check_recompute, flops_per_iteration
+from .memory import MemoryBreakdown, memory_per_gpu, stage_parameters, state_bytes_per_param
+from .pipeline import bubble_fraction, check_schedule, default_schedule, split_layers
+from .shape import ModelShape
+
+
+
+def nearby_divisors(n: int, around: int, count: int = 2) -> list[int]:
+    """The `count` divisors of n closest to `around` (ties: the smaller first), sorted."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0 and d != around]
+    return sorted(sorted(divisors, key=lambda d: (abs(d - around), d))[:count])
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One point (t, p, d, b, v) of the search space, plus the recomputation mode and schedule.
+
+    schedule "" means 1f1b for v = 1 and interleaved-1f1b for v > 1.
+    """
+
+    tp: int
+    pp: int = 1
+    dp: int = 1
+    microbatch: int = 1
+    vpp: int = 1
+    recompute: str = "full"
+    schedule: str = ""
+    scatter_gather: bool = True
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "microbatch", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
+        check_recompute(self.recompute)
+        if not self.schedule:
+            object.__setattr__(self, "schedule", default_schedule(self.vpp))
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} needs pipeline parallelism (pp > 1); use vpp=1 with pp=1")
+
+    @property
+    def gpus(self) -> int:
+        """t p d."""
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        """'t=8 p=16 d=15 b=1 v=3 interleaved-1f1b recompute=full'."""
+        return (f"t={self.tp} p={self.pp} d={self.dp} b={self.microbatch} v={self.vpp} {self.schedule} "
+                f"recompute={self.recompute}")
+
+
+def check_config(shape: ModelShape, config: ParallelConfig) -> int:
+    """Raise ValueError (constraint, numbers, nearby valid value) unless `config` fits `shape`; return m."""
+    t, p, d, b, v = config.tp, config.pp, config.dp, config.microbatch, config.vpp
+    if shape.heads % t:
+        near = ", ".join(map(str, nearby_divisors(shape.heads, t)))
+        raise ValueError(f"--tp {t}: heads {shape.heads} not divisible by {t}; nearby valid: {near}")
+    if shape.ffn_hidden % t:
+        near = ", ".join(map(str, nearby_divisors(shape.ffn_hidden, t)))
+        raise ValueError(f"--tp {t}: ffn hidden {shape.ffn_hidden} not divisible by {t}; nearby valid: {near}")
+    if shape.layers < p * v:
+        raise ValueError(f"--pp {p} --vpp {v}: layers {shape.layers} < pp*vpp = {p * v}; nearby valid: "
+                         f"vpp <= {max(1, shape.layers // p)} or pp <= {shape.layers // v}")
+    if shape.batch % (d * b):
+        per_pipeline = shape.batch // d if shape.batch % d == 0 else 0
+        hint = (f"microbatch in {nearby_divisors(per_pipeline, b)}" if per_pipeline
+                else f"dp dividing {shape.batch}, e.g. {', '.join(map(str, nearby_divisors(shape.batch, d)))}")
+        raise ValueError(f"--batch {shape.batch} not divisible by dp*microbatch = {d}*{b} = {d * b}; "
+                         f"nearby valid: {hint}")
+    m = shape.batch // (d * b)
+    check_schedule(config.schedule, p, m, v)
+    return m
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted iteration of one configuration. `parts` splits `seconds` into its terms."""
+
+    shape: ModelShape
+    config: ParallelConfig
+    cluster: str
+    seconds: float
+    flops: float
+    peak_flops: float
+    memory: MemoryBreakdown
+    memory_capacity: float
+    microbatches: int
+    bubble: float
+    stage_layers: tuple[int, ...]
+    parts: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Eq. 3 FLOPs (with the recomputation actually done) / (seconds x GPUs), in TFLOP/s."""
+        return self.flops / (self.seconds * self.config.gpus) / 1e12
+
+    @property
+    def percent_of_peak(self) -> float:
+        """tflops_per_gpu as a percentage of the device's peak."""
+        return 100.0 * self.tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def fits(self) -> bool:
+        """Whether the most loaded GPU's memory fits the device."""
+        return self.memory.total <= self.memory_capacity
+
+    def as_dict(self) -> dict:
+        """The JSON object `fxpar plan --json` prints."""
+        c = self.config
+        return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "microbatch": c.microbatch, "vpp": c.vpp,
+                "schedule": c.schedule, "recompute": c.recompute, "scatter_gather": c.scatter_gather,
+                "gpus": c.gpus, "cluster": self.cluster, "microbatches": self.microbatches,
+                "tflops_per_gpu": self.tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
+                "seconds_per_iteration": self.seconds, "memory_gib_per_gpu": self.memory.gib,
+                "memory_gib_capacity": self.memory_capacity / 2 ** 30, "bubble_fraction": self.bubble,
+                "stage_layers": list(self.stage_layers), "parts_seconds": dict(self.parts)}
+
+
+def _placement(config: ParallelConfig, gpn: int) -> tuple[int, int, bool]:
+    """(tp ranks per node, dp ranks per node, pipeline crosses nodes) for Megatron's rank order."""
+    t, d, p = config.tp, config.dp, config.pp
+    tp_per_node = min(t, gpn)
+    dp_per_node = 1
+    if t * d <= gpn and gpn % (t * d) == 0:
+        dp_per_node = d  # the whole data-parallel group sits in one node
+    elif t < gpn:
+        dp_per_node = max(g for g in range(1, min(d, gpn // t) + 1) if d % g == 0 and (gpn // t) % g == 0)
+    return tp_per_node, dp_per_node, t * d * p > gpn
+
+
+def optimizer_seconds(params: float, cluster: Cluster) -> float:
+    """Adam step on one GPU's `params` parameters: bandwidth-bound, every state read and written once."""
+    return params * 2 * state_bytes_per_param(cluster.dtype_bytes) / cluster.stream_bandwidth
+
+
+def stage_microbatch_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cluster) -> dict:
+    """Per-microbatch seconds of one layer and of the head, split into compute and tensor-parallel comm."""
+    t, b, e = config.tp, config.microbatch, cluster.dtype_bytes
+    tp_per_node = min(t, cluster.gpus_per_node)
+    tp_allreduce = allreduce_seconds(b * shape.seq * shape.hidden * e, t, tp_per_node, cluster)
+    layer, head = layer_seconds(shape, b, t, cluster), head_seconds(shape, b, t, cluster)
+    recompute = {"none": 0.0, "selective": layer.attention_forward, "full": layer.forward}[config.recompute]
+    allreduces = 6 if config.recompute == "full" else 4  # see comm.tp_allreduce_elements
+    return {"layer_compute": layer.forward + layer.backward + recompute,
+            "layer_tp": allreduces * tp_allreduce,
+            "head_compute": head.forward + head.backward,
+            "head_tp": 2 * tp_allreduce}  # vocab-parallel embedding (forward), LM head input grad (backward)
+
+
+def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache: dict | None = None) -> StepEstimate:
+    """Predict one iteration; raises ValueError for a configuration that does not fit the shape.
+
+    Memory is reported, not enforced: check `StepEstimate.fits`. `cache` (a dict the caller owns, e.g. the
+    planner over one search) memoizes the per-microbatch layer times, which depend only on (t, b, recompute).
+    """
+    m = check_config(shape, config)
+    t, p, d, b, v, e = config.tp, config.pp, config.dp, config.microbatch, config.vpp, cluster.dtype_bytes
+    _, dp_per_node, pipeline_inter = _placement(config, cluster.gpus_per_node)
+    key = (shape, cluster, t, b, config.recompute)
+    if cache is None or key not in cache:
+        mb = stage_microbatch_seconds(shape, config, cluster)
+        if cache is not None:
+            cache[key] = mb
+    else:
+        mb = cache[key]
+    layer_total = mb["layer_compute"] + mb["layer_tp"]
+    head_total = mb["head_compute"] + mb["head_tp"]
+    stages = split_layers(shape.layers, p, v, head_total / layer_total)
+    heavy = max(range(p), key=lambda i: stages[i] + (head_total / layer_total if i == p - 1 else 0.0))
+    with_head = heavy == p - 1
+    stage_compute = stages[heavy] * mb["layer_compute"] + (mb["head_compute"] if with_head else 0.0)
+    stage_tp = stages[heavy] * mb["layer_tp"] + (mb["head_tp"] if with_head else 0.0)
+    p2p = 0.0
+    if p > 1:
+        sent = pp_boundary_elements(b, shape.seq, shape.hidden, t, config.scatter_gather) * e
+        p2p = p2p_seconds(sent, pipeline_inter, cluster)
+        if config.scatter_gather and t > 1:
+            p2p += ring_seconds(b * shape.seq * shape.hidden * e, t, False, cluster, steps_factor=1)
+        p2p *= 2 * v  # v chunks, forward activation and backward gradient
+    stage = stage_compute + stage_tp + p2p
+    bubble = bubble_fraction(config.schedule, p, m, v)
+    params = max(stage_parameters(shape, stages, i, t) for i in range(p))
+    parts = {"compute": m * stage_compute, "tp_comm": m * stage_tp, "p2p": m * p2p,
+             "bubble": (p - 1) / v * stage,
+             "dp_allreduce": allreduce_seconds(params * e, d, dp_per_node, cluster),
+             "tied_embedding": (allreduce_seconds(shape.vocab * shape.hidden / t * e, 2, 1 if pipeline_inter
+                                                  else 2, cluster) if p > 1 else 0.0),
+             "optimizer": optimizer_seconds(params, cluster)}
+    memory = memory_per_gpu(shape, stages, t=t, b=b, m=m, v=v, schedule=config.schedule,
+                            recompute=config.recompute, cluster=cluster)
+    return StepEstimate(shape=shape, config=config, cluster=cluster.name, seconds=sum(parts.values()),
+                        flops=flops_per_iteration(shape, config.recompute), peak_flops=cluster.peak_flops,
+                        memory=memory, memory_capacity=cluster.memory_bytes, microbatches=m, bubble=bubble,
+                        stage_layers=stages, parts=parts)
+
+
+def predict_step_seconds(shape: ModelShape, tp: int, pp: int, dp: int, microbatch: int, vpp: int = 1, *,
+                         cluster: Cluster, recompute: str = "full", schedule: str = "",
+                         scatter_gather: bool = True) -> float:
+    """Seconds per iteration of `shape` (its `batch` is the global batch B) at (tp, pp, dp, microbatch, vpp)."""
+    config = ParallelConfig(tp=tp, pp=pp, dp=dp, microbatch=microbatch, vpp=vpp, recompute=recompute,
+                            schedule=schedule, scatter_gather=scatter_gather)
+    return estimate(shape, config, cluster).seconds

@@ -1,0 +1,107 @@
+"""Train the example GPT on real text with any (p, t, d, v): the Python standard library's own sources, as bytes.
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2 --vpp 1
+    fxpar run --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2      (the same, through fxpar's wrapper)
+
+d is what is left: world size / (t * p).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import sysconfig
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fxpar  # noqa: E402
+from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+
+
+def stdlib_bytes(limit: int = 4 << 20) -> torch.Tensor:
+    """Up to `limit` bytes of the standard library's .py files, in a fixed order (real text, already here)."""
+    root = sysconfig.get_paths()["stdlib"]
+    data, size = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, "rb") as f:
+            chunk = f.read()
+        data.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8).long()
+
+
+def batches(text: torch.Tensor, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(0, len(text) - seq - 1, (batch,), generator=g)
+        window = torch.stack([text[s : s + seq + 1] for s in start.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=None, help="default: 2*pp")
+    p.add_argument("--schedule", default=None, help="default: interleaved-1f1b if vpp > 1, else 1f1b")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if world % (args.tp * args.pp):
+        raise SystemExit(f"world size {world} is not divisible by tp*pp = {args.tp * args.pp}")
+    dp = world // (args.tp * args.pp)
+    m = args.microbatches or 2 * args.pp
+    schedule = args.schedule or ("interleaved-1f1b" if args.vpp > 1 else "1f1b")
+    if args.batch % (dp * m):
+        raise SystemExit(f"--batch {args.batch} must be a multiple of dp*microbatches = {dp}*{m} = {dp * m}")
+    mesh = fxpar.init_mesh(tp=args.tp, pp=args.pp, dp=dp)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    model = GPT(cfg)
+    example = torch.zeros(args.batch // (dp * m), args.seq, dtype=torch.long)
+    config = fxpar.Config(microbatches=m, virtual_stages=args.vpp, schedule=schedule, trace_dir=args.trace_dir)
+    pm = fxpar.parallelize(model, mesh, example_args=(example,), loss_fn=loss_fn, config=config)
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    data = batches(stdlib_bytes(), args.batch, args.seq, seed=0)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"training on {world} ranks: p={args.pp} t={args.tp} d={dp} v={args.vpp} m={m} {schedule}", flush=True)
+    bar = range(args.steps)
+    if rank0:
+        from tqdm import tqdm
+
+        bar = tqdm(bar, desc="train", file=sys.stdout, mininterval=1.0)
+    for step in bar:
+        x, y = next(data)
+        opt.zero_grad()
+        loss = pm.step(x, target=y)
+        opt.step()
+        if rank0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            if step % 10 == 0 or step == args.steps - 1:
+                bar.write(f"step {step:4d}  loss {loss.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`fxpar run [torchrun options] script.py [script args]`: a thin wrapper over torch.distributed.run (torchrun).
+
+fxpar has no launcher of its own: this only sets one thread per rank by default (CPU ranks on one machine
+otherwise oversubscribe the cores) and hands everything else to torchrun unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="launch a script on every rank with torchrun",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's own arguments, then the script")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    return torchrun(args.torchrun_args)
+
+
+def torchrun(argv: list[str]) -> int:
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torchrun_main(argv)
+    return 0
