@@ -22,7 +22,28 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--format", choices=("code", "table", "dot"), default="code")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (with --chunk: show one chunk)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per pipeline rank")
+    p.add_argument("--chunk", type=int, default=None, help="the chunk to show, 0..pp*vpp-1")
     p.set_defaults(func=run)
+
+
+def show_chunk(pm, args, ex_args, ex_kwargs) -> int:
+    """One pipeline chunk of the rewritten graph: its layers, boundary and code."""
+    from fxpar.passes.partition import partition_pass
+
+    k = args.pp * args.vpp
+    if args.chunk is None or not 0 <= args.chunk < k:
+        print(f"fxpar show: error: --chunk must be in [0, {k}) for --pp {args.pp} --vpp {args.vpp}")
+        return 2
+    pm.propagate_local_shapes(pm.flatten_inputs(ex_args, ex_kwargs))
+    part = partition_pass(pm.graph_module, pm.traced.param_nodes(), k)
+    chunk = part.chunks[args.chunk]
+    print(f"# chunk {chunk.index} of {k} (pipeline rank {chunk.index % args.pp}): layers {list(chunk.layers)} "
+          f"of block {part.block!r}")
+    print(f"# receives: {', '.join(chunk.boundary_in) or '-'}; sends: {', '.join(chunk.boundary_out) or '-'}")
+    print(chunk.gm.code)
+    return 0
 
 
 def _local_shapes(pm, args, kwargs) -> dict[str, tuple]:
@@ -64,6 +85,8 @@ def run(args) -> int:
         return 2
     model, ex_args, ex_kwargs = load_target(args.target)
     pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs)
+    if args.pp > 1 or args.chunk is not None:
+        return show_chunk(pm, args, ex_args, ex_kwargs)
     if args.format == "dot":
         print(to_dot(pm))
         return 0

@@ -85,12 +85,13 @@ class RankPool:
     Args:
         world_size: number of ranks.
         timeout_s: process-group timeout: a collective that waits longer raises on its rank.
-        run_timeout_s: the parent's deadline for one ``run`` (default ``timeout_s + 30``).
+        run_timeout_s: the parent's deadline for one ``run`` (default ``timeout_s + 30``); the first run
+            after a (re)start includes importing the scenario's module on each rank.
         start_timeout_s: the parent's deadline for spawning the ranks and joining the group.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 60.0, *, run_timeout_s: float | None = None,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 300.0):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"RankPool world_size must be a positive int, got {world_size!r}")
         limits = {"timeout_s": timeout_s, "run_timeout_s": run_timeout_s, "start_timeout_s": start_timeout_s}
@@ -233,9 +234,12 @@ class RankPool:
         """Ask ``ranks`` for their Python stacks (faulthandler on SIGUSR1) to show where they hang."""
         for r in ranks:
             os.kill(self._procs[r].pid, signal.SIGUSR1)  # not yet joined, so the pid is still this rank's
-        time.sleep(0.5)
         files = {r: Path(self._dir, f"stacks.{r}") for r in ranks}
-        return {r: f.read_text() if f.exists() else "(none: it had not booted)" for r, f in files.items()}
+        end = time.monotonic() + 3.0  # a loaded machine may take a while to schedule them
+        while time.monotonic() < end and not all(f.exists() and f.stat().st_size for f in files.values()):
+            time.sleep(0.05)
+        time.sleep(0.1)  # let the last ones finish writing
+        return {r: (f.read_text() if f.exists() else "") or "(none written)" for r, f in files.items()}
 
     def _kill(self) -> None:
         """SIGTERM every rank, SIGKILL those still alive after a grace period, and forget them."""

@@ -30,3 +30,11 @@ def test_show_console_script():
 
 def test_show_bad_rank(capsys):
     assert main(["show", "examples/gpt.py:factory", "--tp", "2", "--rank", "2"]) == 2
+
+
+def test_show_one_pipeline_chunk(capsys):
+    assert main(["show", "examples/gpt.py:factory", "--tp", "2", "--pp", "2", "--vpp", "2", "--chunk", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "# chunk 3 of 4 (pipeline rank 1): layers [3] of block 'h'" in out
+    assert "tp_gather" in out  # the last chunk holds the LM head
+    assert main(["show", "examples/gpt.py:factory", "--pp", "2", "--chunk", "5"]) == 2
