@@ -97,3 +97,25 @@ def test_dead_rank_is_named():
             p.kill()
     assert "global rank 1" in msg and "stopped answering" in msg, msg
     assert waited < 25, waited  # within the process group's timeout
+
+
+def _write_trace(trace_dir):
+    import json
+
+    import torch.distributed as dist
+
+    import fxpar
+
+    model, args, _ = models.build("gpt8")
+    pm = fxpar.parallelize(model, fxpar.init_mesh(pp=2), example_args=args, loss_fn=loss_fn,
+                           config=fxpar.Config(microbatches=2, trace_dir=trace_dir))
+    ids = torch.zeros(4, args[0].shape[1], dtype=torch.long)
+    pm.step(ids, target=ids)
+    with open(os.path.join(trace_dir, f"rank{dist.get_rank()}.json")) as f:
+        return [e["name"] for e in json.load(f)["traceEvents"]]
+
+
+def test_chrome_trace_per_rank(pool2, tmp_path):
+    stage0, stage1 = pool2.run(_write_trace, str(tmp_path))
+    assert stage0[:2] == ["0F0", "0SEND_F0>1"] and "0B1" in stage0
+    assert stage1[0] == "1RECV_F0<0" and "1B0" in stage1
