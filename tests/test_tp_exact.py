@@ -118,3 +118,20 @@ def test_two_all_reduces_per_layer(pool2, name, layers):
     # plus the vocab embedding's all-reduce (forward) and the LM head's gather (forward) and f (backward)
     assert fwd == {"all_reduce": 2 * layers + 1, "all_gather": 1}, fwd
     assert bwd == {"all_reduce": 2 * layers + 1}, bwd
+
+
+def _verify(name: str, t: int):
+    import fxpar
+
+    model, args, kwargs = models.build(name)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t), example_args=args, example_kwargs=kwargs)
+    return fxpar.verify(model, pm, args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2", "encoder_post_ln"])
+def test_verify_every_node_on_its_shard(pool2, name):
+    assert max(pool2.run(_verify, name, 2)) <= TOL
+
+
+def test_verify_with_scattered_kv_heads(pool4):
+    assert max(pool4.run(_verify, "llama_gqa", 4)) <= TOL
