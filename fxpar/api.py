@@ -40,7 +40,9 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     else:
         pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
     pm.__dict__["compiled"] = compiled
-    pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)))
+    partition = getattr(pm, "partition", None)
+    pp = pm.groups.pp if partition is not None else 1
+    pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)), partition, pp)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
             f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "

@@ -21,6 +21,7 @@ class Plan:
     tp: int
     regions: tuple[Region, ...]
     weights: tuple[WeightShard, ...]
+    stages: tuple[tuple[int, int, tuple[int, ...], tuple[str, ...]], ...] = ()  # (chunk, pp rank, layers, sends)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -52,12 +53,20 @@ class Plan:
                 for w in self.weights]
         return tabulate(rows, headers=["weight", "global", "placement", "local"])
 
+    def stage_table(self) -> str:
+        rows = [[c, r, f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else layers[0], ", ".join(sends) or "-"]
+                for c, r, layers, sends in self.stages]
+        return tabulate(rows, headers=["chunk", "pp rank", "layers", "sends"])
+
     def __str__(self) -> str:
-        return (
+        text = (
             f"fxpar plan, t={self.tp}: {len(self.sharded_regions)} sharded regions, "
             f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
         )
+        return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
 
-def make_plan(analysis: Analysis, weights: list[WeightShard]) -> Plan:
-    return Plan(analysis.t, tuple(analysis.regions), tuple(weights))
+def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1) -> Plan:
+    stages = () if partition is None else tuple(
+        (c.index, c.index % pp, c.layers, c.boundary_out) for c in partition.chunks)
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages)

@@ -111,6 +111,7 @@ def _write_trace(trace_dir):
                            config=fxpar.Config(microbatches=2, trace_dir=trace_dir))
     ids = torch.zeros(4, args[0].shape[1], dtype=torch.long)
     pm.step(ids, target=ids)
+    assert "pipeline chunks" in str(pm.plan) and pm.plan.stages[1][:3] == (1, 1, (4, 5, 6, 7))
     with open(os.path.join(trace_dir, f"rank{dist.get_rank()}.json")) as f:
         return [e["name"] for e in json.load(f)["traceEvents"]]
 
