@@ -1,0 +1,69 @@
+"""Smoke tests of benchmarks/: each runs end to end at tiny sizes with one repeat and prints its table.
+
+No timing is asserted (the numbers mean nothing at these sizes, and the machine is shared); what is asserted is that
+the table comes out and that every tensor-parallel variant of the train step is exact before it is timed.
+"""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import parallelize_time, tp_step
+
+TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "64"]
+
+
+def test_tp_step_runs_and_is_exact(capsys):
+    result = tp_step.main([*TINY_GPT, "--batch", "2", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                           "--timeout", "60"])  # spawns 2 gloo ranks
+    out = capsys.readouterr().out
+    assert "median ms" in out and "vs hand-written" in out and "vs DTensor" in out
+    for name in tp_step.VARIANTS:
+        assert name in out
+        loss_err, grad_err = result["errors"][name]
+        assert loss_err <= tp_step.TOL and grad_err <= tp_step.TOL, (name, loss_err, grad_err)
+        assert len(result["times"][name]) == 1
+
+
+def test_tp_step_table_from_samples():
+    times = {"fxpar": [0.10, 0.12], "hand-written": [0.10, 0.11], "DTensor": [0.15, 0.14]}
+    result = {"times": times, "cpu": times, "errors": {},
+              "config": {"t": 2, "layers": 1, "hidden": 32, "heads": 4, "seq": 8, "batch": 2, "vocab": 64,
+                         "attention": "sdpa", "rounds": 2, "steps": 1}}
+    table = tp_step.format_table(result).splitlines()
+    fxpar_row = next(line for line in table if line.startswith("fxpar"))
+    assert "1.045" in fxpar_row  # median of the per-round ratios 1.0 and 1.0909
+
+
+def test_head_interleaved_layout():
+    import torch
+
+    full = torch.arange(12.0)  # Q = 0..3, K = 4..7, V = 8..11, two heads each
+    assert tp_step._head_interleaved(full, 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+
+
+def test_parallelize_time_runs(capsys):
+    results = parallelize_time.main(["--layers", "1", "2", "--repeats", "1", *TINY_GPT[2:]])
+    out = capsys.readouterr().out
+    assert "2/1 ratio" in out and "trace s" in out and "build s" in out
+    assert set(results) == {1, 2}
+    assert results[2]["sharded regions"] > results[1]["sharded regions"] > 0
+    assert results[2]["nodes"] > results[1]["nodes"]
+
+
+@pytest.mark.parametrize("name", ["wte.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias",
+                                  "h.0.attn.c_proj.weight", "h.0.mlp.c_fc.bias", "ln_f.weight"])
+def test_megatron_shards_tile_the_full_parameter(name):
+    """Rank blocks of the hand-written model's layout are disjoint and cover the full tensor."""
+    import torch
+
+    from benchmarks.megatron_gpt import shard
+
+    GPT, GPTConfig = tp_step.GPT, tp_step.GPTConfig  # examples/gpt.py
+    cfg = GPTConfig(vocab=64, seq=8, layers=1, hidden=32, heads=4)
+    full = dict(GPT(cfg).named_parameters())[name].detach()
+    blocks = [shard(name, full, cfg, r, 2) for r in range(2)]
+    if blocks[0].shape == full.shape:  # replicated
+        assert all(torch.equal(b, full) for b in blocks)
+    else:
+        got = torch.cat([b.flatten() for b in blocks]).sort().values
+        assert torch.equal(got, full.flatten().sort().values)
