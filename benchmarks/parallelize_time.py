@@ -44,6 +44,7 @@ def time_build_once(model, ids, t: int = 2) -> dict:
     """Seconds of trace, compile_tp on that trace, and a whole build, for rank 0 of t (simulated)."""
     from fxpar.api import build
     from fxpar.compiler import compile_tp
+    from fxpar.config import Config
     from fxpar.passes.ops import TPComm
     from fxpar.trace import trace
 
@@ -51,7 +52,7 @@ def time_build_once(model, ids, t: int = 2) -> dict:
     start = time.perf_counter()
     traced = trace(model, (ids,))
     mid = time.perf_counter()
-    compile_tp(traced, comm)
+    compile_tp(traced, comm, Config(), {})
     end = time.perf_counter()
     pm = build(model, comm, (ids,))
     done = time.perf_counter()

@@ -25,8 +25,9 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group)."""
+    config = config or Config()
     traced = trace(model, example_args, example_kwargs)
-    compiled = compile_tp(traced, comm)
+    compiled = compile_tp(traced, comm, config, dict(model.named_buffers(remove_duplicate=False)))
     blocked = [r for r in compiled.analysis.regions if r.indivisible and not r.columns]
     if blocked:
         r = blocked[0]
@@ -36,7 +37,7 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
             "Fix: choose a tensor-parallel degree that divides the heads and hidden sizes."
         )
     if loss_fn is not None:
-        pm = PipelineModule(model, compiled, comm, mesh, config or Config(), loss_fn)
+        pm = PipelineModule(model, compiled, comm, mesh, config, loss_fn)
     else:
         pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
     pm.__dict__["compiled"] = compiled
@@ -81,3 +82,4 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
     if loss_fn is not None and mesh is None:
         raise ValueError("fxpar.parallelize: loss_fn (training with step()) needs a mesh from fxpar.init_mesh")
     return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn)
+

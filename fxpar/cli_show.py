@@ -9,7 +9,10 @@ import torch
 from tabulate import tabulate
 
 from fxpar.api import build
+from fxpar.config import Config
+from fxpar.passes.fusion import FXPAR_FUSED
 from fxpar.passes.ops import COMM_MODULES, TPComm
+from fxpar.passes.recompute import FXPAR_RECOMPUTE
 from fxpar.target import load_target
 
 COLLECTIVE = {"tp_f": "f: all-reduce in backward", "tp_g": "g: all-reduce", "tp_gather": "all-gather",
@@ -25,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (with --chunk: show one chunk)")
     p.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per pipeline rank")
     p.add_argument("--chunk", type=int, default=None, help="the chunk to show, 0..pp*vpp-1")
+    p.add_argument("--no-fuse", action="store_true", help="show the graph without the fusion passes")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.set_defaults(func=run)
 
 
@@ -52,6 +57,17 @@ def _local_shapes(pm, args, kwargs) -> dict[str, tuple]:
             if isinstance(n.meta.get("val"), torch.Tensor)}
 
 
+def _note(n) -> str:
+    """What a node is beyond its op: a collective, a fused op, or part of a recomputed region."""
+    if n.op == "call_module" and n.target.rsplit("_", 1)[0] in COLLECTIVE:
+        return COLLECTIVE[n.target.rsplit("_", 1)[0]]
+    if FXPAR_RECOMPUTE in n.meta:
+        return f"recomputed region {n.meta[FXPAR_RECOMPUTE]}"
+    if FXPAR_FUSED in n.meta:
+        return f"fused {n.meta[FXPAR_FUSED]}"
+    return ""
+
+
 def node_rows(pm, shapes) -> list[list]:
     placements = {n.name: p for n, p in pm.compiled.analysis.placements.items()}
     rows = []
@@ -63,8 +79,7 @@ def node_rows(pm, shapes) -> list[list]:
         p = placements.get(n.name)
         if isinstance(p, tuple):
             p = "(" + ", ".join(map(str, p)) + ")"
-        rows.append([n.name, op, args[:60], str(p or "R"), "x".join(map(str, shapes.get(n.name, ()))),
-                     COLLECTIVE.get(n.target.rsplit("_", 1)[0], "") if n.op == "call_module" else ""])
+        rows.append([n.name, op, args[:60], str(p or "R"), "x".join(map(str, shapes.get(n.name, ()))), _note(n)])
     return rows
 
 
@@ -72,7 +87,9 @@ def to_dot(pm) -> str:
     lines = ["digraph fxpar {", "  node [shape=box, fontname=monospace];"]
     placements = {n.name: p for n, p in pm.compiled.analysis.placements.items()}
     for n in pm.graph_module.graph.nodes:
-        color = "tomato" if n.op == "call_module" and n.target.rsplit("_", 1)[0] in COMM_MODULES else "lightblue" if n.name in placements else "white"
+        color = ("tomato" if n.op == "call_module" and n.target.rsplit("_", 1)[0] in COMM_MODULES else
+                 "khaki" if FXPAR_RECOMPUTE in n.meta else "palegreen" if FXPAR_FUSED in n.meta else
+                 "lightblue" if n.name in placements else "white")
         lines.append(f'  "{n.name}" [style=filled, fillcolor={color}, label="{n.name}\\n{placements.get(n.name, "")}"];')
         for a in n.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{n.name}";')
@@ -84,7 +101,8 @@ def run(args) -> int:
         print(f"fxpar show: error: --rank {args.rank} must be in [0, {args.tp}) and --tp >= 1")
         return 2
     model, ex_args, ex_kwargs = load_target(args.target)
-    pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs)
+    config = Config(fuse=not args.no_fuse, recompute=args.recompute)
+    pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs, config=config)
     if args.pp > 1 or args.chunk is not None:
         return show_chunk(pm, args, ex_args, ex_kwargs)
     if args.format == "dot":
@@ -93,7 +111,7 @@ def run(args) -> int:
     print(f"# {args.target}: tp rank {args.rank} of {args.tp}\n")
     if args.format == "code":
         shapes = _local_shapes(pm, ex_args, ex_kwargs)
-        print(tabulate(node_rows(pm, shapes), headers=["node", "op", "args", "placement", "local shape", "collective"]))
+        print(tabulate(node_rows(pm, shapes), headers=["node", "op", "args", "placement", "local shape", "note"]))
         print()
     print(pm.plan)
     return 0

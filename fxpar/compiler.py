@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule
 
+from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze
+from fxpar.passes.fusion import fusion_pass, placeholder_values
 from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import Shard
+from fxpar.passes.recompute import recompute_pass
 from fxpar.passes.tp import tensor_parallel_pass
 from fxpar.passes.vocab import vocab_analysis
 from fxpar.trace import Traced
@@ -26,11 +29,22 @@ class PassError(RuntimeError):
     pass
 
 
-def passes_for(analysis: Analysis, comm: TPComm) -> list[tuple[str, object]]:
-    """The rewrite passes, in order."""
-    return [
+def _keep_graph(gm: GraphModule, into: dict) -> GraphModule:
+    """Not a rewrite: keeps a copy of the graph as it is now (sharing gm's submodules) and returns gm."""
+    into["graph"] = GraphModule(gm, copy.deepcopy(gm.graph))
+    return gm
+
+
+def passes_for(analysis: Analysis, comm: TPComm, config: Config, values: dict, kept: dict) -> list:
+    """The rewrite passes, in order. (Partition into pipeline chunks follows, in fxpar/pipeline.py.)"""
+    passes = [
         ("tensor_parallel", functools.partial(tensor_parallel_pass, analysis=analysis, comm=comm)),
+        ("keep_tp_graph", functools.partial(_keep_graph, into=kept)),  # what verify compares node by node
     ]
+    if config.fuse:
+        passes.append(("fuse", functools.partial(fusion_pass, values=values)))
+    passes.append(("recompute", functools.partial(recompute_pass, mode=config.recompute)))
+    return passes
 
 
 def run_passes(gm: GraphModule, passes) -> GraphModule:
@@ -55,14 +69,19 @@ class Compiled:
     gm: GraphModule
     analysis: Analysis
     specs: dict[str, Shard]  # state_dict key -> how it is sharded
+    tp_graph: GraphModule  # the graph right after the tensor-parallel pass (for verify)
 
 
-def compile_tp(traced: Traced, comm: TPComm) -> Compiled:
-    """Analyze and rewrite `traced` for this rank's tensor-parallel group."""
+def compile_tp(traced: Traced, comm: TPComm, config: Config, buffers: dict) -> Compiled:
+    """Analyze and rewrite `traced` for this rank's tensor-parallel group.
+
+    buffers: the model's buffers by key; the fusion pass reads their values to prove a mask causal."""
     reference = copy.deepcopy(traced.gm)
     params = traced.param_nodes()
     analysis = vocab_analysis(traced.gm, analyze(traced.gm, comm.size, params), params)
     key_of = {name: key for name, _, key in traced.inputs}
     specs = {key_of[n.name]: s for n, s in analysis.param_specs.items()}
-    gm = run_passes(traced.gm, passes_for(analysis, comm))
-    return Compiled(traced, reference, gm, analysis, specs)
+    values = placeholder_values(traced.inputs, buffers, traced.constants)
+    kept: dict = {}
+    gm = run_passes(traced.gm, passes_for(analysis, comm, config, values, kept))
+    return Compiled(traced, reference, gm, analysis, specs, kept["graph"])

@@ -42,6 +42,9 @@ class PipelineModule(ParallelModule):
         chunks = {c.index: c for c in partition.chunks if c.index % groups.pp == groups.pp_rank}
         kinds = {name: (kind, key) for name, kind, key in traced.inputs}
         used = {kinds[n][1] for c in chunks.values() for n in c.inputs if n in kinds and kinds[n][0] != "user"}
+        if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
+            read = {kinds[n][1] for c in partition.chunks for n in c.inputs if n in kinds}
+            used |= set(model.state_dict(keep_vars=True)) - read
         super().__init__(model, traced, gm, compiled.specs, comm, used_keys=used)
         self.__dict__.update(partition=partition, chunks=chunks, groups=groups, loss_fn=loss_fn, config=config)
         self._kinds = kinds

@@ -1,8 +1,9 @@
 """verify(model, pm, example_args): run the original and the parallel graph side by side, node by node.
 
-Every node the rewrite kept has a placement; this rank's value must equal the matching block of the original's value
+Every node the tensor-parallel rewrite kept has a placement; this rank's value must equal the matching block of the original's value
 (Shard), or all of it (Replicate). Row-parallel GEMM outputs are partial sums and are checked after g, through their
-users. All tp ranks agree on the first diverging node and raise the same VerifyError.
+users. All tp ranks agree on the first diverging node and raise the same VerifyError. The passes after tensor
+parallelism (fusion, recompute) change nodes rather than placements: their result is checked on the outputs.
 """
 from __future__ import annotations
 
@@ -61,18 +62,19 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
     ref_inputs = [next(it) if x is None and kind == "user" else x
                   for x, (_, kind, _) in zip(ref_inputs, compiled.traced.inputs)]
     ref = _Recorder(compiled.reference)
-    ref.run(*ref_inputs)
-    par = _Recorder(pm.graph_module)
+    ref_out = ref.run(*ref_inputs)
+    par = _Recorder(compiled.tp_graph)  # after tensor parallelism, before the passes that rename and fuse
     par.run(*pm.graph_inputs(flat))
     decisions = {n.name: d for n, d in compiled.analysis.decisions.items()}
     placements = {n.name: p for n, p in compiled.analysis.placements.items()}
     by_name = {n.name: n for n in compiled.reference.graph.nodes}
-    first, worst, detail = len(by_name), 0.0, ""
+    ok = len(by_name) + 1  # index meaning "no divergence"; len(by_name) stands for the final outputs
+    first, worst, detail = ok, 0.0, ""
     for i, (name, want) in enumerate(ref.values.items()):
         node = by_name[name]
         d = decisions.get(name)
-        if node.op in ("placeholder", "output") or name not in par.values or (d is not None and d.role is not None
-                                                                                and d.role != "column"):
+        if node.op in ("placeholder", "output") or name not in par.values or (
+                d is not None and d.role is not None and d.role != "column"):
             continue
         placement = placements.get(name)
         err = _max_err(par.values[name], _expected(want, placement, comm))
@@ -81,13 +83,18 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
             first, detail = i, f"node {name} ({node.target}, module {module_path(node) or '<root>'}), " \
                                f"placement {placement or 'R'}: max relative error {err:.3g} > {tol}"
             break
+    if first == ok:
+        err = _max_err(list(pm.graph_module(*pm.graph_inputs(flat))), list(ref_out))
+        worst = max(worst, err)
+        if err > tol:
+            first, detail = len(by_name), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"
     if comm.size > 1 and not comm.simulated:
         t = torch.tensor([first])
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=comm.group)
         if t.item() < first:
-            name = list(ref.values)[t.item()]
-            detail = f"node {name} diverges on another tp rank"
             first = t.item()
-    if first < len(by_name):
+            name = list(ref.values)[first] if first < len(by_name) else "the outputs"
+            detail = f"{name} diverge(s) on another tp rank"
+    if first < ok:
         raise VerifyError(f"fxpar.verify: tp rank {comm.rank}: {detail}")
     return worst

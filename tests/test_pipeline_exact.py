@@ -26,14 +26,15 @@ def _batch(args, rows):
     return ids, torch.randint(0, models.VOCAB, ids.shape, generator=g)
 
 
-def _train(name, p, t, d, v, schedule, m, steps=3, scatter_gather=True):
+def _train(name, p, t, d, v, schedule, m, steps=3, scatter_gather=True, **options):
     """Max loss and state differences between fxpar and single-process full-batch SGD, and the run's stats."""
     import fxpar
 
     model, args, kwargs = models.build(name)
     reference = copy.deepcopy(model)
     ids, target = _batch(args, args[0].shape[0] * d * m)
-    config = fxpar.Config(microbatches=m, virtual_stages=v, schedule=schedule, scatter_gather=scatter_gather)
+    config = fxpar.Config(microbatches=m, virtual_stages=v, schedule=schedule, scatter_gather=scatter_gather,
+                          **options)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=args, example_kwargs=kwargs,
                            loss_fn=loss_fn, config=config)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -105,3 +106,10 @@ def test_scatter_gather_bytes(pool4, scatter_gather, divisor):
     for *_, sent, _ in stage0:
         forward = {k: v for k, v in sent.items() if k[2] == "F"}
         assert forward and set(forward.values()) == {b * s * h * 4 // divisor}, forward
+
+
+@pytest.mark.parametrize("name", ["gpt8", "llama8"])
+@pytest.mark.parametrize("options", [{"recompute": "full"}, {"recompute": "selective"}, {"fuse": False}])
+def test_exact_with_recompute_and_without_fusion(pool2, name, options):
+    """Fusion is on by default everywhere above; here recomputation inside chunks, and the unfused graph."""
+    _check(pool2.run(_train, name, 2, 1, 1, 2, "interleaved-1f1b", 2, **options))
