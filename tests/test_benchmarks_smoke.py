@@ -67,3 +67,11 @@ def test_megatron_shards_tile_the_full_parameter(name):
     else:
         got = torch.cat([b.flatten() for b in blocks]).sort().values
         assert torch.equal(got, full.flatten().sort().values)
+
+
+def test_fusion_benchmark_runs(capsys):
+    from benchmarks import fusion
+
+    fusion.main(["--seq", "16", "--hidden", "32", "--layers", "2", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                 "--no-memory"])
+    assert "fused" in capsys.readouterr().out

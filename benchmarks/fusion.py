@@ -1,0 +1,209 @@
+"""Benchmark: the fusion and recompute passes on one train step of the example GPT (explicit attention), CPU, 1 thread.
+
+    unfused            the traced graph as the tensor-parallel pass leaves it (t=1 here)
+    fused              + fusion_pass: explicit attention -> SDPA, bias+GeLU(+next GEMM), bias+dropout+add
+    unfused/selective  unfused + recompute_pass("selective"): the attention core is recomputed in backward
+    unfused/full       unfused + recompute_pass("full"): each layer's forward is recomputed in backward
+    fused/selective, fused/full   the same on the fused graph
+
+Before timing, every variant's loss and gradients are checked against unfused (fused: within 1e-5; recompute alone:
+bit-equal). Then the variants run interleaved (rotated order each round, so none always goes first) for R rounds of
+S steps; a sample is one round's mean step time; the table shows the median sample, and each ratio as the median over
+rounds of the within-round ratio (drifting load from other processes mostly cancels); CPU ms (time.process_time) is
+the steadier number when other processes load the machine. Recompute cost is reported as (CPU time of a step with
+recompute - without) / forward time of the same graph: about 1 means one extra forward, as expected.
+Saved activation bytes per layer (forward, weights excluded) are printed next to Korthikanti et al.'s formula, whose
+16-bit count is doubled for fp32 (its 1-byte dropout masks are absent here: dropout is 0 in the example GPT).
+
+Run:
+    .venv/bin/python benchmarks/fusion.py                  # the example GPT's sizes (4 layers, hidden 64, 4 heads)
+    .venv/bin/python benchmarks/fusion.py --hidden 256     # GEMMs weigh more: less to gain from attention
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "examples")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from fxpar.api import build  # noqa: E402
+from fxpar.passes.fusion import fusion_pass, placeholder_values  # noqa: E402
+from fxpar.passes.ops import TPComm  # noqa: E402
+from fxpar.passes.recompute import korthikanti_bytes, recompute_pass, saved_activation_bytes  # noqa: E402
+
+VARIANTS = ("unfused", "fused", "unfused/selective", "unfused/full", "fused/selective", "fused/full")
+TOL = 1e-5
+
+
+def graphs(pm, values) -> dict[str, fx.GraphModule]:
+    """Every variant's graph over the same parameters (the unfused one is pm's own)."""
+    ref = pm.graph_module
+    fused = fusion_pass(fx.GraphModule(ref, copy.deepcopy(ref.graph)), values)
+    out = {"unfused": ref, "fused": fused}
+    for base in ("unfused", "fused"):
+        for mode in ("selective", "full"):
+            g = out[base]
+            out[f"{base}/{mode}"] = recompute_pass(fx.GraphModule(g, copy.deepcopy(g.graph)), mode)
+    return out
+
+
+def _forward(pm, ids):
+    return F.cross_entropy(pm(ids).flatten(0, 1), ids.flatten())
+
+
+def _step(pm, ids, lr: float = 1e-4):
+    for p in pm.parameters():
+        p.grad = None
+    loss = _forward(pm, ids)
+    loss.backward()
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(p.grad, alpha=-lr)
+    return loss
+
+
+def check(pm, ids, gms) -> dict[str, tuple[float, float]]:
+    """(loss rel error, max grad abs error) of every variant against its base, before any timing."""
+    results, ref = {}, {}
+    for name, gm in gms.items():
+        pm.__dict__["graph_module"] = gm
+        for p in pm.parameters():
+            p.grad = None
+        loss = _forward(pm, ids)
+        loss.backward()
+        ref[name] = (loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()})
+    for name in gms:
+        base = "unfused" if name in ("unfused", "fused") else name.split("/")[0]
+        (l0, g0), (l1, g1) = ref[base], ref[name]
+        results[name] = (((l1 - l0).abs() / l0.abs()).item(), max((g1[k] - g0[k]).abs().max().item() for k in g0))
+        if "/" in name:  # recompute alone: bit-equal
+            assert torch.equal(l0, l1) and all(torch.equal(g0[k], g1[k]) for k in g0), f"{name} is not bit-exact"
+    return results
+
+
+def saved_per_layer(cfg: GPTConfig, batch: int) -> dict[str, float]:
+    """Saved activation bytes per layer = saved(L + 1 layers) - saved(L layers), for every variant."""
+    per = {}
+    for layers in (2, 3):
+        pm, ids, values = make(GPTConfig(**{**cfg.__dict__, "layers": layers}), batch)
+        for name, gm in graphs(pm, values).items():
+            pm.__dict__["graph_module"] = gm
+            _, saved = saved_activation_bytes(lambda: _forward(pm, ids), list(pm.parameters()) + list(pm.buffers()))
+            per[name] = saved - per.get(name, 0)
+    return per
+
+
+def make(cfg: GPTConfig, batch: int):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    pm = build(model, TPComm(0, 1), (ids,))
+    return pm, ids, placeholder_values(pm.traced.inputs, dict(model.named_buffers()), pm.traced.constants)
+
+
+def time_variants(pm, ids, gms, rounds: int, steps: int, warmup: int) -> dict:
+    """Per variant and round: mean wall and CPU (process_time) seconds per step, and one forward's wall time."""
+    times, cpu, forward = ({name: [] for name in gms} for _ in range(3))
+    names = list(gms)
+    for name in names:
+        pm.__dict__["graph_module"] = gms[name]
+        for _ in range(warmup):
+            _step(pm, ids)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            pm.__dict__["graph_module"] = gms[name]
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                _step(pm, ids)
+            times[name].append((time.perf_counter() - start) / steps)
+            cpu[name].append((time.process_time() - start_cpu) / steps)
+            start = time.perf_counter()
+            with torch.no_grad():
+                _forward(pm, ids)
+            forward[name].append(time.perf_counter() - start)
+    return {"times": times, "cpu": cpu, "forward": forward}
+
+
+def _ratio(samples: dict, name: str, base: str) -> tuple[float, float, float]:
+    """Median and quartiles over rounds of base/name within each round (> 1: name is faster)."""
+    r = [b / a for a, b in zip(samples[name], samples[base])]
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return statistics.median(r), q[0], q[2]
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    lines = [f"example GPT, explicit attention: seq {c['seq']}, layers {c['layers']}, hidden {c['hidden']}, heads "
+             f"{c['heads']}, batch {c['batch']}, 1 thread; {c['rounds']} rounds x {c['steps']} steps",
+             f"{'variant':<18} {'median ms':>9} {'CPU ms':>7} {'fwd ms':>7} {'speedup':>8} {'(q1-q3)':>12} "
+             f"{'CPU speedup':>11} {'recompute/fwd':>13} {'loss rel err':>12} {'grad abs err':>12}"]
+    for name in result["times"]:
+        med, cpu_ms = (statistics.median(result[k][name]) * 1e3 for k in ("times", "cpu"))
+        fwd = statistics.median(result["forward"][name]) * 1e3
+        ratio, q1, q3 = _ratio(result["times"], name, "unfused")
+        cpu_ratio = _ratio(result["cpu"], name, "unfused")[0]
+        extra = ""
+        if "/" in name:  # the extra step time over its base, in forwards
+            extra = f"{(cpu_ms - statistics.median(result['cpu'][name.split('/')[0]]) * 1e3) / fwd:.2f}"
+        loss_err, grad_err = result["errors"][name]
+        lines.append(f"{name:<18} {med:>9.1f} {cpu_ms:>7.1f} {fwd:>7.1f} {ratio:>7.2f}x {f'({q1:.2f}-{q3:.2f})':>12} "
+                     f"{cpu_ratio:>10.2f}x {extra:>13} {loss_err:>12.1e} {grad_err:>12.1e}")
+    if "saved" in result:
+        s, b, h, a = c["seq"], c["batch"], c["hidden"], c["heads"]
+        lines += ["", "saved activation bytes per layer (fp32) vs Korthikanti et al. (16-bit count x 2)",
+                  f"{'variant':<18} {'measured':>12} {'formula x2':>12} {'ratio':>6}"]
+        for name, saved in result["saved"].items():
+            mode = name.split("/")[1] if "/" in name else "none"
+            formula = 2 * korthikanti_bytes(s, b, h, a, 1, mode)
+            lines.append(f"{name:<18} {saved:>12.0f} {formula:>12.0f} {saved / formula:>6.2f}")
+    return "\n".join(lines)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the table shows medians over them")
+    p.add_argument("--steps", type=int, default=2, help="train steps per variant per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    p.add_argument("--no-memory", action="store_true", help="skip the saved-bytes table")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    pm, ids, values = make(cfg, args.batch)
+    gms = graphs(pm, values)
+    errors = check(pm, ids, gms)
+    for name, (loss_err, grad_err) in errors.items():
+        assert loss_err <= TOL and grad_err <= TOL, f"{name}: loss rel {loss_err:.1e}, grad abs {grad_err:.1e}"
+    result = time_variants(pm, ids, gms, args.rounds, args.steps, args.warmup)
+    result["errors"] = errors
+    result["config"] = {**vars(args), "attention": "explicit"}
+    if not args.no_memory:
+        result["saved"] = saved_per_layer(cfg, args.batch)
+    print(format_table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
