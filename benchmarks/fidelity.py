@@ -1,0 +1,324 @@
+"""Benchmark: the cost model's local fidelity. Measured fxpar step times of the example GPT over gloo on this machine
+against fxpar.cost's predict_step_seconds on a cluster calibrated here (`fxpar calibrate`).
+
+For each configuration (t, p, d, m) below, at world size t*p*d, the script times one train step: pm.step over the
+global batch (the pipeline schedule's forwards and backwards, the tp all-reduces, the dp gradient all-reduce) plus
+an Adam step, which is the optimizer the cost model prices. A sample is the max over ranks of one step; the
+configurations of one world size run interleaved (rotated each round) in one process group; the table shows the
+median over rounds. The prediction is predict_step_seconds for the same shape, global batch, (t, p, d), microbatch
+b = B / (d m), schedule 1f1b and recompute "none" (fxpar's default; the cost model's default is "full").
+
+Reported: per configuration measured and predicted seconds and |predicted - measured| / measured, then the
+Spearman rank correlation of predicted against measured (average ranks for ties, written here, no scipy) and the
+median absolute error.
+
+How the local CPU differs from the GPU clusters the cost model was written for, and what this script does about it:
+  * a "device" is a process with 1 thread; `fxpar calibrate --quick` measures GEMM FLOP/s, copy bandwidth, the cost
+    of one eager op ("kernel overhead") with one process alone, and gloo's all-reduce latency and bandwidth between
+    2 idle processes, and writes a one-node cluster. "predicted" is the unmodified cost model on that cluster.
+  * on a machine shared with other work (or with more ranks than cores) a rank gets less than a core, and a
+    collective waits for its peers to be scheduled. So "in situ" re-measures the same rates, with the same
+    calibrate routines, inside each world while all its ranks run them at once (before and after the timed rounds,
+    median over passes), and predicts again with the cost model unchanged. Only the rates differ.
+  * world sizes above the core count oversubscribe the CPU (4 ranks on 2 cores); those rows are flagged, and the
+    summary is printed with and without them.
+
+Run:
+    .venv/bin/python benchmarks/fidelity.py                        # calibrates into a temp dir first (quick mode)
+    .venv/bin/python benchmarks/fidelity.py --cluster local.json   # reuse a calibrated cluster
+    .venv/bin/python benchmarks/fidelity.py --worlds 1 2 --rounds 10
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+_examples = os.path.join(ROOT, "examples")
+if _examples not in sys.path:
+    sys.path.insert(0, _examples)
+
+from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+
+# (t, p, d, m) per world size t*p*d; m = microbatches per pipeline (per dp rank)
+CONFIGS = {
+    1: [(1, 1, 1, 1), (1, 1, 1, 2), (1, 1, 1, 4)],
+    2: [(2, 1, 1, 1), (2, 1, 1, 4), (1, 2, 1, 2), (1, 2, 1, 4), (1, 1, 2, 1), (1, 1, 2, 2)],
+    4: [(2, 2, 1, 2), (2, 2, 1, 4), (1, 2, 2, 2)],
+}
+
+
+def describe(c: tuple) -> str:
+    t, p, d, m = c
+    return f"t={t} p={p} d={d} m={m}"
+
+
+# ---- measurement (one rank) -------------------------------------------------------------------------------------
+
+def build(cfg: GPTConfig, batch: int, c: tuple):
+    """(train step closure, this config's global ids) for config c on the current process group."""
+    import fxpar
+
+    t, p, d, m = c
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    target = torch.roll(ids, -1, dims=1)
+    micro = batch // (d * m)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=(ids[:micro],), loss_fn=loss_fn,
+                           config=fxpar.Config(microbatches=m, schedule="1f1b"))
+    opt = torch.optim.Adam(pm.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        pm.step(ids, target=target)
+        opt.step()
+
+    return step
+
+
+def run_rank(cfg: GPTConfig, batch: int, configs: list, rounds: int, warmup: int) -> dict:
+    """Time every config of this world size, interleaved; returns {config: [seconds per round, max over ranks]}."""
+    steps = {c: build(cfg, batch, c) for c in configs}
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times = {c: [] for c in configs}
+    for r in range(rounds):
+        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[c]()
+            times[c].append(time.perf_counter() - start)
+    sample = torch.tensor([times[c] for c in configs], dtype=torch.float64)
+    dist.all_reduce(sample, op=dist.ReduceOp.MAX)
+    return {c: sample[i].tolist() for i, c in enumerate(configs)}
+
+
+def in_situ_rates() -> dict:
+    """This world's device and link rates, measured by all its ranks at once (so each one shares the CPU as it
+    does in the timed steps), with `fxpar calibrate --quick`'s own routines and fit. Means over ranks."""
+    from fxpar.cli_plan import (ALLREDUCE_BYTES_QUICK, measure_gemm_flops, measure_kernel_overhead,
+                                measure_memory_bandwidth, median_seconds)
+    from fxpar.cost.cluster import fit_latency_bandwidth
+
+    world = dist.get_world_size()
+    dist.barrier()
+    local = torch.tensor([measure_gemm_flops(True), measure_memory_bandwidth(True), measure_kernel_overhead(True)],
+                         dtype=torch.float64)
+    dist.all_reduce(local)
+    flops, bandwidth, overhead = (local / world).tolist()
+    rates = {"peak_flops": flops, "memory_bandwidth": bandwidth, "kernel_overhead": overhead}
+    if world > 1:  # as fxpar.cli_plan.measure_gloo: ring all-reduce = 2(n-1) latency + 2(n-1)/n S / B
+        seconds = []
+        for nbytes in ALLREDUCE_BYTES_QUICK:
+            x = torch.ones(nbytes // 4)
+            dist.barrier()
+            seconds.append(median_seconds(lambda: dist.all_reduce(x), 5))
+        t = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        steps = 2 * (world - 1)
+        try:
+            intercept, slope_bandwidth = fit_latency_bandwidth(list(ALLREDUCE_BYTES_QUICK), t.tolist())
+        except ValueError:  # oversubscribed: scheduling delays swamp the size dependence; all of it is latency
+            rates.update(intra_latency=statistics.median(t.tolist()) / steps,
+                         inter_latency=statistics.median(t.tolist()) / steps)
+            return rates
+        rates.update(intra_latency=intercept / steps, inter_latency=intercept / steps,
+                     intra_bandwidth=slope_bandwidth * steps / world, inter_bandwidth=slope_bandwidth * steps / world)
+    return rates
+
+
+def _spawned(rank: int, world: int, args, store_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        before = in_situ_rates()
+        times = run_rank(gpt_config(args), args.batch, CONFIGS[world], args.rounds, args.warmup)
+        after = in_situ_rates()
+        if rank == 0:
+            with open(os.path.join(store_dir, "result.pkl"), "wb") as f:
+                pickle.dump({"times": times, "rates": [before, after]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(args, world: int) -> dict:
+    """{"times": {config: [seconds]}, "rates": [in-situ rates before, after]} of one spawned world."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as store_dir:
+        mp.spawn(_spawned, args=(world, args, store_dir), nprocs=world, join=True)
+        with open(os.path.join(store_dir, "result.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+def in_situ_cluster(cluster, rate_samples: list[dict]):
+    """`cluster` with its rates replaced by the medians of the in-situ samples (see in_situ_rates)."""
+    import dataclasses
+
+    keys = {k for r in rate_samples for k in r}
+    return dataclasses.replace(cluster, **{k: statistics.median(r[k] for r in rate_samples if k in r) for k in keys},
+                               description=cluster.description + ", rates re-measured in each world")
+
+
+# ---- prediction and statistics -----------------------------------------------------------------------------------
+
+def predict(cfg: GPTConfig, batch: int, c: tuple, cluster) -> tuple[float, dict]:
+    """The cost model's seconds per step for config c, and its parts."""
+    from fxpar.cost import ModelShape
+    from fxpar.cost.step import ParallelConfig, estimate, predict_step_seconds
+
+    t, p, d, m = c
+    shape = ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq=cfg.seq, vocab=cfg.vocab,
+                       batch=batch)
+    b = batch // (d * m)
+    seconds = predict_step_seconds(shape, t, p, d, b, 1, cluster=cluster, recompute="none", schedule="1f1b")
+    parts = estimate(shape, ParallelConfig(tp=t, pp=p, dp=d, microbatch=b, recompute="none", schedule="1f1b"),
+                     cluster).parts  # the same estimate, split into its terms
+    return seconds, parts
+
+
+def ranks(xs: list[float]) -> list[float]:
+    """1-based ranks of xs, ties sharing their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho: the Pearson correlation of the ranks (exact with ties)."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"spearman needs two equal-length lists of >= 2 values, got {len(xs)} and {len(ys)}")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
+
+
+def summary(rows: list[dict], key: str = "predicted") -> str:
+    if len(rows) < 2:
+        return f"{len(rows)} configuration(s): too few for a rank correlation"
+    meas, pred = [r["measured"] for r in rows], [r[key] for r in rows]
+    errs = [abs(p - m) / m * 100 for p, m in zip(pred, meas)]
+    ratio = statistics.median(p / m for p, m in zip(pred, meas))
+    return (f"{len(rows)} configs: Spearman {spearman(pred, meas):.3f}, "
+            f"median abs error {statistics.median(errs):.1f}%, median predicted/measured {ratio:.3f}")
+
+
+def _rates(c) -> str:
+    return (f"GEMM {c.peak_flops / 1e9:.1f} GFLOP/s, copy {c.memory_bandwidth / 1e9:.1f} GB/s, op overhead "
+            f"{c.kernel_overhead * 1e6:.1f} us, gloo latency {c.intra_latency * 1e6:.0f} us/step, "
+            f"{c.intra_bandwidth / 1e9:.2f} GB/s")
+
+
+def format_table(rows: list[dict], cfg: GPTConfig, args, cluster, worlds: dict, load: tuple) -> str:
+    from tabulate import tabulate
+
+    table = [[r["config"], r["world"], r["measured"], r["predicted"],
+              abs(r["predicted"] - r["measured"]) / r["measured"] * 100, r["in_situ"],
+              abs(r["in_situ"] - r["measured"]) / r["measured"] * 100,
+              " ".join(f"{k}={v * 1e3:.0f}" for k, v in r["parts"].items() if v),
+              "oversubscribed" if r["oversubscribed"] else ""] for r in rows]
+    head = (f"train step (pm.step + Adam) of GPT layers={cfg.layers} hidden={cfg.hidden} heads={cfg.heads} "
+            f"seq={cfg.seq} vocab={cfg.vocab} attention={cfg.attention}, global batch {args.batch}; gloo, 1 "
+            f"thread/rank, {os.cpu_count()} cores (load average {load[0]:.1f} at start, {load[1]:.1f} at end); "
+            f"median of {args.passes} passes x {args.rounds} interleaved rounds per world size.\n"
+            f"predicted: `fxpar calibrate --quick` cluster: {_rates(cluster)}\n"
+            + "\n".join(f"in situ, {w} rank(s): {_rates(c)}" for w, c in worlds.items()))
+    body = tabulate(table, headers=["config", "ranks", "measured s", "predicted s", "abs err %", "in situ s",
+                                    "abs err %", "predicted parts (ms)", ""],
+                    floatfmt=(None, None, ".4f", ".4f", ".1f", ".4f", ".1f"))
+    fitting = [r for r in rows if not r["oversubscribed"]]
+    lines = [head, body, "predicted, all rows: " + summary(rows), "in situ, all rows: " + summary(rows, "in_situ")]
+    if len(fitting) < len(rows):
+        lines += ["predicted, ranks <= cores: " + summary(fitting),
+                  "in situ, ranks <= cores: " + summary(fitting, "in_situ")]
+    return "\n".join(lines)
+
+
+# ---- driver -----------------------------------------------------------------------------------------------------
+
+def gpt_config(args) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                     attention=args.attention)
+
+
+def calibrated_cluster(path: str | None, tmp: str):
+    from fxpar.cost.cluster import load_cluster
+
+    if path is None:
+        path = os.path.join(tmp, "local.json")
+        subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--quick", "--out", path], check=True)
+    return load_cluster(path)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="global batch B (every config divides it)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "explicit"])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], choices=sorted(CONFIGS))
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per world size per pass")
+    p.add_argument("--passes", type=int, default=2, help="passes over the world sizes (so drift hits each alike)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per config first")
+    p.add_argument("--cluster", help="calibrated cluster JSON (default: run `fxpar calibrate --quick` into a temp dir)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = _parse(argv)
+    cfg = gpt_config(args)
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned ranks
+    start_load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as tmp:
+        cluster = calibrated_cluster(args.cluster, tmp)
+    samples = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}
+    rates = {w: [] for w in args.worlds}
+    for _ in range(args.passes):
+        for world in args.worlds:
+            result = measure(args, world)
+            for c, times in result["times"].items():
+                samples[world][c] += times
+            rates[world] += result["rates"]
+    worlds = {w: in_situ_cluster(cluster, rates[w]) for w in args.worlds}
+    rows = []
+    for world in args.worlds:
+        for c, times in samples[world].items():
+            predicted, parts = predict(cfg, args.batch, c, cluster)
+            rows.append({"config": describe(c), "world": world, "measured": statistics.median(times),
+                         "samples": times, "predicted": predicted, "parts": parts,
+                         "in_situ": predict(cfg, args.batch, c, worlds[world])[0],
+                         "oversubscribed": world > (os.cpu_count() or 1)})
+    print(format_table(rows, cfg, args, cluster, worlds, (start_load, os.getloadavg()[0])), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
