@@ -32,13 +32,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import pickle
 import statistics
 import sys
-import tempfile
 import time
 import types
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,6 +47,7 @@ for _path in (HERE, os.path.join(os.path.dirname(HERE), "examples")):
         sys.path.insert(0, _path)
 
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+from launch import launch  # noqa: E402
 from megatron_gpt import MegatronGPT, shard  # noqa: E402
 
 VARIANTS = ("fxpar", "hand-written", "DTensor")
@@ -264,48 +262,12 @@ def _run(args) -> dict:
     return result
 
 
-def _spawned(rank: int, args, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), args.nproc)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.nproc,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        result = _run(args)
-        if rank == 0:
-            with open(os.path.join(store_dir, "result.pkl"), "wb") as f:
-                pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> dict:
     """Run the benchmark, print its table, and return the result (rank 0's; {} on other torchrun ranks)."""
     args = _parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-        try:
-            result = _run(args)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return {}
-    else:
-        import torch.multiprocessing as mp
-
-        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned ranks
-        try:
-            with tempfile.TemporaryDirectory(prefix="fxpar-bench-") as store_dir:
-                mp.spawn(_spawned, args=(args, store_dir), nprocs=args.nproc, join=True)
-                with open(os.path.join(store_dir, "result.pkl"), "rb") as f:
-                    result = pickle.load(f)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    result = launch(_run, args)
+    if not result:
+        return {}  # a torchrun rank other than 0
     print(format_table(result), flush=True)
     return result
 

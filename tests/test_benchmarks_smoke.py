@@ -75,3 +75,12 @@ def test_fusion_benchmark_runs(capsys):
     fusion.main(["--seq", "16", "--hidden", "32", "--layers", "2", "--rounds", "1", "--steps", "1", "--warmup", "0",
                  "--no-memory"])
     assert "fused" in capsys.readouterr().out
+
+
+def test_pp_step_runs_and_matches_torch_pipelining(capsys):
+    from benchmarks import pp_step
+
+    pp_step.main(["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "64", "--batch", "8",
+                  "--rounds", "1", "--steps", "1", "--warmup", "0"])  # raises if any variant is not exact
+    out = capsys.readouterr().out
+    assert "fxpar interleaved" in out and "torch interleaved" in out
