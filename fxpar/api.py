@@ -9,6 +9,7 @@ from fxpar.compiler import compile_tp
 from fxpar.config import Config
 from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
+from fxpar.passes.fusion import compile_graph
 from fxpar.pipeline import PipelineModule
 from fxpar.passes.ops import TPComm
 from fxpar.passes.plan import make_plan
@@ -41,6 +42,8 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     else:
         pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
     pm.__dict__["compiled"] = compiled
+    if config.compile:  # after the passes: torch.compile's wrapper is not a GraphModule
+        pm.compile_graphs(compile_graph)
     partition = getattr(pm, "partition", None)
     pp = pm.groups.pp if partition is not None else 1
     pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)), partition, pp)

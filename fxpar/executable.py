@@ -102,6 +102,10 @@ class ParallelModule(nn.Module):
                 )
         return flat
 
+    def compile_graphs(self, compile_fn) -> None:
+        """Config(compile=True): run the graph through compile_fn (torch.compile)."""
+        self.__dict__["graph_module"] = compile_fn(self.graph_module)
+
     def forward(self, *args, **kwargs):
         flat = self.flatten_inputs(args, kwargs)
         out = self.graph_module(*self.graph_inputs(flat))

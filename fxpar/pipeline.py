@@ -54,6 +54,7 @@ class PipelineModule(ParallelModule):
         full = build_schedule(config.schedule, groups.pp, config.microbatches, config.virtual_stages)
         self.actions = lower(full, groups.pp, config.virtual_stages)[groups.pp_rank]
         self._tied = self._tied_groups(mesh, partition, kinds)
+        self._callables = {i: c.gm for i, c in chunks.items()}  # what runs each chunk (compiled with Config.compile)
         self.stats = Stats()
 
     def _tied_groups(self, mesh, partition, kinds) -> dict[str, object]:
@@ -76,6 +77,11 @@ class PipelineModule(ParallelModule):
                         out[key] = group
         return out
 
+    def compile_graphs(self, compile_fn) -> None:
+        """Config(compile=True): one compiled callable per chunk of this stage."""
+        super().compile_graphs(compile_fn)
+        self._callables = {i: compile_fn(c.gm) for i, c in self.chunks.items()}
+
     def boundary_specs(self, names) -> list[tuple]:
         return [self._specs_of[n] for n in names]
 
@@ -89,7 +95,8 @@ class PipelineModule(ParallelModule):
 
     def run_chunk(self, chunk, received: list, flat_user: list) -> list:
         values = dict(zip(chunk.boundary_in, received))
-        out = chunk.gm(*[values[n] if n in values else self._value(n, flat_user) for n in chunk.inputs])
+        out = self._callables[chunk.index](*[values[n] if n in values else self._value(n, flat_user)
+                                             for n in chunk.inputs])
         return list(out)
 
     def loss(self, outs: list, target) -> torch.Tensor:
