@@ -90,7 +90,8 @@ def to_dot(pm) -> str:
         color = ("tomato" if n.op == "call_module" and n.target.rsplit("_", 1)[0] in COMM_MODULES else
                  "khaki" if FXPAR_RECOMPUTE in n.meta else "palegreen" if FXPAR_FUSED in n.meta else
                  "lightblue" if n.name in placements else "white")
-        lines.append(f'  "{n.name}" [style=filled, fillcolor={color}, label="{n.name}\\n{placements.get(n.name, "")}"];')
+        label = f"{n.name}\\n{placements.get(n.name, '')}"
+        lines.append(f'  "{n.name}" [style=filled, fillcolor={color}, label="{label}"];')
         for a in n.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{n.name}";')
     return "\n".join(lines + ["}"])

@@ -140,7 +140,8 @@ class ParallelModule(nn.Module):
                 continue
             if reg not in full:
                 local = self._state[reg].detach()
-                full[reg] = unshard(self.comm.all_gather(local), self.specs[reg]) if reg in self.specs else local.clone()
+                spec = self.specs.get(reg)
+                full[reg] = unshard(self.comm.all_gather(local), spec) if spec else local.clone()
             full[key] = full[reg]
         return full
 

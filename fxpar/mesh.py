@@ -39,7 +39,9 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int = 1) -> DeviceMesh:
 def check_mesh(mesh: DeviceMesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     if names != MESH_DIMS:
-        raise ValueError(f"fxpar needs a DeviceMesh with dim names {MESH_DIMS}, got {names}; build it with fxpar.init_mesh")
+        raise ValueError(
+            f"fxpar needs a DeviceMesh with dim names {MESH_DIMS}, got {names}; build it with fxpar.init_mesh"
+        )
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise ValueError(
             f"mesh size {mesh.size()} ({dict(zip(names, mesh.mesh.shape))}) != world size {dist.get_world_size()}"

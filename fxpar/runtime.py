@@ -146,7 +146,8 @@ class Runtime:
     """Runs a lowered schedule for one pipeline rank; see the module docstring."""
 
     def __init__(self, stage, actions, groups: Groups, p2p: P2P, buckets: GradBuckets, stats: Stats):
-        self.stage, self.actions, self.g, self.p2p, self.buckets, self.stats = stage, actions, groups, p2p, buckets, stats
+        self.stage, self.actions, self.g = stage, actions, groups
+        self.p2p, self.buckets, self.stats = p2p, buckets, stats
         self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.recv_forward,
                          SEND_B: self.send_backward, RECV_B: self.recv_backward}
 

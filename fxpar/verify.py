@@ -1,8 +1,8 @@
 """verify(model, pm, example_args): run the original and the parallel graph side by side, node by node.
 
-Every node the tensor-parallel rewrite kept has a placement; this rank's value must equal the matching block of the original's value
-(Shard), or all of it (Replicate). Row-parallel GEMM outputs are partial sums and are checked after g, through their
-users. All tp ranks agree on the first diverging node and raise the same VerifyError. The passes after tensor
+Every node the tensor-parallel rewrite kept has a placement; this rank's value must equal the matching block of the
+original's value (Shard), or all of it (Replicate). Row-parallel GEMM outputs are partial sums and are checked after
+g, through their users. All tp ranks agree on the first diverging node and raise the same VerifyError. The passes after tensor
 parallelism (fusion, recompute) change nodes rather than placements: their result is checked on the outputs.
 """
 from __future__ import annotations
