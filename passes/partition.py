@@ -70,10 +70,10 @@ def find_block(gm: GraphModule) -> tuple[str, dict[Node, int]]:
                 found.setdefault(m.group(1), int(m.group(2)))
         per_node[n] = found
         owners.update(found.keys())
-    candidates = [b for b in owners if len({f[b] for f in per_node.values() if b in f}) >= 1]
-    if not candidates:
+    if not owners:
         raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into stages")
-    block = max(candidates, key=lambda b: (owners[b] * len({f[b] for f in per_node.values() if b in f}), -len(b)))
+    layers = {b: len({f[b] for f in per_node.values() if b in f}) for b in owners}
+    block = max(owners, key=lambda b: (owners[b] * layers[b], -len(b)))  # most nodes times most layers
     return block, {n: f[block] for n, f in per_node.items() if block in f}
 
 
