@@ -49,7 +49,8 @@ class P2P:
     """Boundary tensors between stages, with optional scatter/gather over the tp group."""
 
     def __init__(self, groups: Groups, scatter_gather: bool, stats: Stats):
-        self.g, self.sg, self.stats, self.pending = groups, scatter_gather and groups.tp > 1, stats, []
+        self.g, self.sg, self.stats = groups, scatter_gather and groups.tp > 1, stats
+        self.pending, self.posted = [], {}  # isends to wait for at the flush; irecvs posted ahead of their action
 
     def _tag(self, a) -> int:
         return (a.microbatch * 4096 + a.message()[2]) * 2 + (a.kind in (SEND_B, RECV_B))
@@ -64,13 +65,22 @@ class P2P:
             sent += flat.numel() * flat.element_size()
         self.stats.bytes_sent[(a.chunk, a.microbatch, a.kind[-1])] = sent
 
-    def recv(self, a, specs: list[tuple]) -> list[torch.Tensor]:
-        src, out = self.g.global_rank_of_stage[a.peer], []
+    def post(self, a, specs: list[tuple]) -> None:
+        """Post the receive of action `a` now (non-blocking); recv(a) waits for it where the schedule needs it."""
+        src, posted = self.g.global_rank_of_stage[a.peer], []
         for shape, dtype in specs:
             numel = int(torch.Size(shape).numel())
             split = self.sg and numel % self.g.tp == 0
             buf = torch.empty(numel // self.g.tp if split else numel, dtype=dtype)
-            _wait(dist.irecv(buf, src=src, tag=self._tag(a)), a, src)
+            posted.append((dist.irecv(buf, src=src, tag=self._tag(a)), buf, shape, split))
+        self.posted[a] = posted
+
+    def recv(self, a, specs: list[tuple]) -> list[torch.Tensor]:
+        if a not in self.posted:
+            self.post(a, specs)
+        out = []
+        for work, buf, shape, split in self.posted.pop(a):
+            _wait(work, a, self.g.global_rank_of_stage[a.peer])
             if split:
                 parts = [torch.empty_like(buf) for _ in range(self.g.tp)]
                 dist.all_gather(parts, buf, group=self.g.tp_group)
@@ -155,14 +165,35 @@ class Runtime:
         self.inputs, self.targets, self.m = microbatches, targets, len(microbatches)
         self.recv_act, self.recv_grad, self.saved, self.grads_in = {}, {}, {}, {}
         self.loss = torch.zeros(())
-        for a in self.actions:
+        early = self._early_receives()
+        for i, a in enumerate(self.actions):
             start = time.perf_counter()
+            for r in early.get(i, ()):
+                self.p2p.post(r, self._recv_specs(r))
             self.handlers[a.kind](a)
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.saved))
             self.stats.events.append((str(a), start, time.perf_counter() - start))
         self.p2p.flush()
         self.buckets.finish()
         return self.loss
+
+    def _early_receives(self) -> dict[int, list]:
+        """Each receive is posted right after the rank's previous send (as torch.distributed.pipelining does), so a
+        peer's send need not wait for this rank's compute before the receive exists; it is still waited for at its
+        own place in the list. Posting early cannot deadlock: irecv does not block."""
+        early, last_send = {}, 0
+        for i, a in enumerate(self.actions):
+            if a.kind in (SEND_F, SEND_B):
+                last_send = i + 1
+            elif a.kind in (RECV_F, RECV_B) and last_send < i:
+                early.setdefault(last_send, []).append(a)
+        return early
+
+    def _recv_specs(self, a) -> list[tuple]:
+        chunk = self.stage.chunks[a.chunk]
+        if a.kind == RECV_F:
+            return self.stage.boundary_specs(chunk.boundary_in)
+        return [s for s in self.stage.boundary_specs(chunk.boundary_out) if s[1].is_floating_point]
 
     def forward(self, a) -> None:
         chunk = self.stage.chunks[a.chunk]
@@ -200,17 +231,14 @@ class Runtime:
         self.p2p.send(a, outs)
 
     def recv_forward(self, a) -> None:
-        chunk = self.stage.chunks[a.chunk]
-        xs = self.p2p.recv(a, self.stage.boundary_specs(chunk.boundary_in))
+        xs = self.p2p.recv(a, self._recv_specs(a))
         self.recv_act[(a.chunk, a.microbatch)] = [x.requires_grad_() if x.is_floating_point() else x for x in xs]
 
     def send_backward(self, a) -> None:
         self.p2p.send(a, self.grads_in.pop((a.chunk, a.microbatch)))
 
     def recv_backward(self, a) -> None:
-        chunk = self.stage.chunks[a.chunk]
-        specs = [s for s in self.stage.boundary_specs(chunk.boundary_out) if s[1].is_floating_point]
-        self.recv_grad[(a.chunk, a.microbatch)] = self.p2p.recv(a, specs)
+        self.recv_grad[(a.chunk, a.microbatch)] = self.p2p.recv(a, self._recv_specs(a))
 
 
 def write_chrome_trace(path: str, stats: Stats, rank: int) -> None:
