@@ -91,57 +91,45 @@ class _Gather(torch.autograd.Function):
         return local_shard(grad, ctx.spec, ctx.comm.rank, ctx.comm.size), None, None
 
 
-class CopyToTP(nn.Module):
-    """f: enters a tensor-parallel region."""
+class _TPModule(nn.Module):
+    """A module that holds its rank's communication context; the graph calls it like an op."""
 
     def __init__(self, comm: TPComm):
         super().__init__()
         self.comm = comm
+
+
+class CopyToTP(_TPModule):
+    """f: enters a tensor-parallel region."""
 
     def forward(self, x):
         return _F.apply(x, self.comm)
 
 
-class ReduceFromTP(nn.Module):
+class ReduceFromTP(_TPModule):
     """g: leaves a tensor-parallel region by summing the partial outputs of a row-parallel GEMM."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__()
-        self.comm = comm
 
     def forward(self, x):
         return _G.apply(x, self.comm)
 
 
-class ScatterToTP(nn.Module):
+class ScatterToTP(_TPModule):
     """This rank's block of a replicated tensor, laid out like Shard(dim, parts, pre, post)."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__()
-        self.comm = comm
 
     def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
         return _Scatter.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
 
 
-class GatherFromTP(nn.Module):
+class GatherFromTP(_TPModule):
     """The full tensor from every rank's block along `dim` (the LM head's logits)."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__()
-        self.comm = comm
 
     def forward(self, x, dim: int):
         dim = dim % x.dim()
         return _Gather.apply(x, self.comm, Shard(dim, (x.shape[dim] * self.comm.size,)))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TPModule):
     """Look up the ids in this rank's rows of the vocabulary, zero the rest, and all-reduce (g)."""
-
-    def __init__(self, comm: TPComm):
-        super().__init__()
-        self.comm = comm
 
     def forward(self, weight, ids, *rest):
         rows = weight.shape[0]
