@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -113,20 +113,7 @@ class ParallelModule(nn.Module):
 
     def propagate_local_shapes(self, flat_user: list) -> None:
         """Set node.meta["val"] of the rewritten graph to this rank's local shapes (fake tensors, no communication)."""
-        gm, saved = self.graph_module, {}
-        for name, mod in gm.named_children():
-            if isinstance(getattr(mod, "comm", None), TPComm):
-                saved[name] = mod.comm
-                mod.comm = TPComm(mod.comm.rank, mod.comm.size)  # simulated: keeps shapes, skips collectives
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.graph_inputs(flat_user)]
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                FakeTensorProp(gm, mode).propagate(*inputs)
-        finally:
-            for name, comm in saved.items():
-                gm.get_submodule(name).comm = comm
+        propagate_local_shapes(self.graph_module, self.graph_inputs(flat_user))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -155,6 +142,41 @@ class ParallelModule(nn.Module):
             rows.append(WeightShard(key, tuple(model_state[key].shape), str(spec) if spec else "R",
                                     tuple(self._state[reg].shape)))
         return rows
+
+
+def propagate_local_shapes(gm: GraphModule, inputs: list, mode: FakeTensorMode | None = None) -> None:
+    """FakeTensorProp over gm with its comm modules simulated (shapes kept, collectives skipped)."""
+    saved = {}
+    for name, mod in gm.named_children():
+        if isinstance(getattr(mod, "comm", None), TPComm):
+            saved[name] = mod.comm
+            mod.comm = TPComm(mod.comm.rank, mod.comm.size)
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+              for x in inputs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            FakeTensorProp(gm, mode).propagate(*inputs)
+    finally:
+        for name, comm in saved.items():
+            gm.get_submodule(name).comm = comm
+
+
+def local_fake_inputs(model: nn.Module, traced: Traced, specs: dict[str, Shard], t: int, mode) -> list:
+    """The graph's inputs with each weight a fake tensor of its local shape: shapes without copying weights."""
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    user, out = iter(traced.example_inputs), []
+    for _, kind, key in traced.inputs:
+        if kind in ("parameter", "buffer"):
+            shape = list(state[key].shape)
+            if key in specs:
+                shape[specs[key].dim] //= t
+            with mode:
+                out.append(torch.empty(shape, dtype=state[key].dtype, device=state[key].device))
+        else:
+            out.append(traced.constants[key] if kind == "constant" else next(user))
+    return out
 
 
 def tp_comm(mesh) -> TPComm:

@@ -12,8 +12,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.executable import ParallelModule
+from fxpar.executable import ParallelModule, local_fake_inputs, propagate_local_shapes
 from fxpar.passes.lower_schedule import lower
 from fxpar.passes.partition import partition_pass
 from fxpar.passes.schedules import build_schedule
@@ -36,8 +37,8 @@ class PipelineModule(ParallelModule):
         traced, gm = compiled.traced, compiled.gm
         groups = mesh_groups(mesh)
         k = groups.pp * config.virtual_stages
-        probe = ParallelModule(model, traced, gm, compiled.specs, comm)  # full graph inputs, for shapes only
-        probe.propagate_local_shapes(traced.example_inputs)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        propagate_local_shapes(gm, local_fake_inputs(model, traced, compiled.specs, comm.size, mode), mode)
         partition = partition_pass(gm, traced.param_nodes(), k)
         chunks = {c.index: c for c in partition.chunks if c.index % groups.pp == groups.pp_rank}
         kinds = {name: (kind, key) for name, kind, key in traced.inputs}
