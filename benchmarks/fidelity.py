@@ -107,72 +107,27 @@ def run_rank(cfg: GPTConfig, batch: int, configs: list, rounds: int, warmup: int
     return {c: sample[i].tolist() for i, c in enumerate(configs)}
 
 
-def in_situ_rates() -> dict:
-    """This world's device and link rates, measured by all its ranks at once (so each one shares the CPU as it
-    does in the timed steps), with `fxpar calibrate --quick`'s own routines and fit. Means over ranks."""
-    from fxpar.cli_plan import (ALLREDUCE_BYTES_QUICK, measure_gemm_flops, measure_kernel_overhead,
-                                measure_memory_bandwidth, median_seconds)
-    from fxpar.cost.cluster import fit_latency_bandwidth
-
-    world = dist.get_world_size()
-    dist.barrier()
-    local = torch.tensor([measure_gemm_flops(True), measure_memory_bandwidth(True), measure_kernel_overhead(True)],
-                         dtype=torch.float64)
-    dist.all_reduce(local)
-    flops, bandwidth, overhead = (local / world).tolist()
-    rates = {"peak_flops": flops, "memory_bandwidth": bandwidth, "kernel_overhead": overhead}
-    if world > 1:  # as fxpar.cli_plan.measure_gloo: ring all-reduce = 2(n-1) latency + 2(n-1)/n S / B
-        seconds = []
-        for nbytes in ALLREDUCE_BYTES_QUICK:
-            x = torch.ones(nbytes // 4)
-            dist.barrier()
-            seconds.append(median_seconds(lambda: dist.all_reduce(x), 5))
-        t = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        steps = 2 * (world - 1)
-        try:
-            intercept, slope_bandwidth = fit_latency_bandwidth(list(ALLREDUCE_BYTES_QUICK), t.tolist())
-        except ValueError:  # oversubscribed: scheduling delays swamp the size dependence; all of it is latency
-            rates.update(intra_latency=statistics.median(t.tolist()) / steps,
-                         inter_latency=statistics.median(t.tolist()) / steps)
-            return rates
-        rates.update(intra_latency=intercept / steps, inter_latency=intercept / steps,
-                     intra_bandwidth=slope_bandwidth * steps / world, inter_bandwidth=slope_bandwidth * steps / world)
-    return rates
-
-
 def _spawned(rank: int, world: int, args, store_dir: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        before = in_situ_rates()
         times = run_rank(gpt_config(args), args.batch, CONFIGS[world], args.rounds, args.warmup)
-        after = in_situ_rates()
         if rank == 0:
             with open(os.path.join(store_dir, "result.pkl"), "wb") as f:
-                pickle.dump({"times": times, "rates": [before, after]}, f)
+                pickle.dump(times, f)
     finally:
         dist.destroy_process_group()
 
 
 def measure(args, world: int) -> dict:
-    """{"times": {config: [seconds]}, "rates": [in-situ rates before, after]} of one spawned world."""
+    """{config: [seconds per round]} of one spawned world."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as store_dir:
         mp.spawn(_spawned, args=(world, args, store_dir), nprocs=world, join=True)
         with open(os.path.join(store_dir, "result.pkl"), "rb") as f:
             return pickle.load(f)
-
-
-def in_situ_cluster(cluster, rate_samples: list[dict]):
-    """`cluster` with its rates replaced by the medians of the in-situ samples (see in_situ_rates)."""
-    import dataclasses
-
-    keys = {k for r in rate_samples for k in r}
-    return dataclasses.replace(cluster, **{k: statistics.median(r[k] for r in rate_samples if k in r) for k in keys},
-                               description=cluster.description + ", rates re-measured in each world")
 
 
 # ---- prediction and statistics -----------------------------------------------------------------------------------
@@ -218,10 +173,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
-def summary(rows: list[dict], key: str = "predicted") -> str:
+def summary(rows: list[dict]) -> str:
     if len(rows) < 2:
         return f"{len(rows)} configuration(s): too few for a rank correlation"
-    meas, pred = [r["measured"] for r in rows], [r[key] for r in rows]
+    meas, pred = [r["measured"] for r in rows], [r["predicted"] for r in rows]
     errs = [abs(p - m) / m * 100 for p, m in zip(pred, meas)]
     ratio = statistics.median(p / m for p, m in zip(pred, meas))
     return (f"{len(rows)} configs: Spearman {spearman(pred, meas):.3f}, "
@@ -229,33 +184,31 @@ def summary(rows: list[dict], key: str = "predicted") -> str:
 
 
 def _rates(c) -> str:
-    return (f"GEMM {c.peak_flops / 1e9:.1f} GFLOP/s, copy {c.memory_bandwidth / 1e9:.1f} GB/s, op overhead "
-            f"{c.kernel_overhead * 1e6:.1f} us, gloo latency {c.intra_latency * 1e6:.0f} us/step, "
-            f"{c.intra_bandwidth / 1e9:.2f} GB/s")
+    return (f"GEMM {c.peak_flops / 1e9:.1f} GFLOP/s x {c.gemm_efficiency:.2f} in a layer, copy "
+            f"{c.memory_bandwidth / 1e9:.1f} GB/s, op overhead {c.kernel_overhead * 1e6:.1f} us, gloo latency "
+            f"{c.intra_latency * 1e6:.0f} us/step, {c.intra_bandwidth / 1e9:.2f} GB/s, sync jitter "
+            f"{c.sync_jitter * 100:.1f}%")
 
 
-def format_table(rows: list[dict], cfg: GPTConfig, args, cluster, worlds: dict, load: tuple) -> str:
+def format_table(rows: list[dict], cfg: GPTConfig, args, clusters: dict, load: tuple) -> str:
     from tabulate import tabulate
 
     table = [[r["config"], r["world"], r["measured"], r["predicted"],
-              abs(r["predicted"] - r["measured"]) / r["measured"] * 100, r["in_situ"],
-              abs(r["in_situ"] - r["measured"]) / r["measured"] * 100,
+              abs(r["predicted"] - r["measured"]) / r["measured"] * 100,
               " ".join(f"{k}={v * 1e3:.0f}" for k, v in r["parts"].items() if v),
               "oversubscribed" if r["oversubscribed"] else ""] for r in rows]
     head = (f"train step (pm.step + Adam) of GPT layers={cfg.layers} hidden={cfg.hidden} heads={cfg.heads} "
             f"seq={cfg.seq} vocab={cfg.vocab} attention={cfg.attention}, global batch {args.batch}; gloo, 1 "
             f"thread/rank, {os.cpu_count()} cores (load average {load[0]:.1f} at start, {load[1]:.1f} at end); "
             f"median of {args.passes} passes x {args.rounds} interleaved rounds per world size.\n"
-            f"predicted: `fxpar calibrate --quick` cluster: {_rates(cluster)}\n"
-            + "\n".join(f"in situ, {w} rank(s): {_rates(c)}" for w, c in worlds.items()))
-    body = tabulate(table, headers=["config", "ranks", "measured s", "predicted s", "abs err %", "in situ s",
-                                    "abs err %", "predicted parts (ms)", ""],
-                    floatfmt=(None, None, ".4f", ".4f", ".1f", ".4f", ".1f"))
+            + "\n".join(f"{w} rank(s): `fxpar calibrate --world {max(w, 2)}`: {_rates(c)}"
+                        for w, c in clusters.items()))
+    body = tabulate(table, headers=["config", "ranks", "measured s", "predicted s", "abs err %",
+                                    "predicted parts (ms)", ""], floatfmt=(None, None, ".4f", ".4f", ".1f"))
     fitting = [r for r in rows if not r["oversubscribed"]]
-    lines = [head, body, "predicted, all rows: " + summary(rows), "in situ, all rows: " + summary(rows, "in_situ")]
+    lines = [head, body, "all rows: " + summary(rows)]
     if len(fitting) < len(rows):
-        lines += ["predicted, ranks <= cores: " + summary(fitting),
-                  "in situ, ranks <= cores: " + summary(fitting, "in_situ")]
+        lines.append("ranks <= cores: " + summary(fitting))
     return "\n".join(lines)
 
 
@@ -266,12 +219,16 @@ def gpt_config(args) -> GPTConfig:
                      attention=args.attention)
 
 
-def calibrated_cluster(path: str | None, tmp: str):
+def calibrated_cluster(folder: str, world: int, quick: bool):
+    """The cluster `fxpar calibrate --world W` writes for a node of W = max(world, 2) processes (reused if
+    folder already has it): the rates of a device while as many devices share the machine as in the run."""
     from fxpar.cost.cluster import load_cluster
 
-    if path is None:
-        path = os.path.join(tmp, "local.json")
-        subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--quick", "--out", path], check=True)
+    world = max(world, 2)
+    path = os.path.join(folder, f"local-{world}.json")
+    if not os.path.exists(path):
+        subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--world", str(world), "--out", path]
+                       + ["--quick"] * quick, check=True)
     return load_cluster(path)
 
 
@@ -288,7 +245,9 @@ def _parse(argv):
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per world size per pass")
     p.add_argument("--passes", type=int, default=2, help="passes over the world sizes (so drift hits each alike)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per config first")
-    p.add_argument("--cluster", help="calibrated cluster JSON (default: run `fxpar calibrate --quick` into a temp dir)")
+    p.add_argument("--clusters", help="folder of calibrated local-W.json clusters, written there if missing "
+                                      "(default: calibrate into a temporary folder)")
+    p.add_argument("--quick-calibrate", action="store_true", help="calibrate with --quick")
     return p.parse_args(argv)
 
 
@@ -298,25 +257,20 @@ def main(argv=None) -> list[dict]:
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned ranks
     start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as tmp:
-        cluster = calibrated_cluster(args.cluster, tmp)
+        clusters = {w: calibrated_cluster(args.clusters or tmp, w, args.quick_calibrate) for w in args.worlds}
     samples = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}
-    rates = {w: [] for w in args.worlds}
     for _ in range(args.passes):
         for world in args.worlds:
-            result = measure(args, world)
-            for c, times in result["times"].items():
+            for c, times in measure(args, world).items():
                 samples[world][c] += times
-            rates[world] += result["rates"]
-    worlds = {w: in_situ_cluster(cluster, rates[w]) for w in args.worlds}
     rows = []
     for world in args.worlds:
         for c, times in samples[world].items():
-            predicted, parts = predict(cfg, args.batch, c, cluster)
+            predicted, parts = predict(cfg, args.batch, c, clusters[world])
             rows.append({"config": describe(c), "world": world, "measured": statistics.median(times),
                          "samples": times, "predicted": predicted, "parts": parts,
-                         "in_situ": predict(cfg, args.batch, c, worlds[world])[0],
                          "oversubscribed": world > (os.cpu_count() or 1)})
-    print(format_table(rows, cfg, args, cluster, worlds, (start_load, os.getloadavg()[0])), flush=True)
+    print(format_table(rows, cfg, args, clusters, (start_load, os.getloadavg()[0])), flush=True)
     return rows
 
 

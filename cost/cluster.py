@@ -9,6 +9,8 @@ Glossary:
                      node's total NIC bandwidth divided by its devices: every device talks at once.
   link efficiency    fraction of link bandwidth NCCL collectives reach (bus bandwidth / link bandwidth)
   kernel overhead    fixed seconds per kernel: launch gap plus ramp-up and the partly idle last wave
+  sync jitter        ranks that compute the same work drift apart by this fraction of it (OS noise, clock
+                     and scheduling differences); a collective waits out the drift (see step.py)
 
 Spec numbers are the vendors' published figures. The efficiencies are one set of assumptions shared by
 every GPU cluster [Note: one calibration]:
@@ -18,6 +20,7 @@ every GPU cluster [Note: one calibration]:
   memory_efficiency 0.8  streaming kernels reach about 80% of HBM bandwidth
   link_efficiency 0.8    NCCL bus bandwidth is about 80% of NVLink / InfiniBand link bandwidth
   kernel_overhead 5 us   launch gap plus ramp-up and tail of each kernel
+  sync_jitter 0          GPUs of one job run in lockstep; the papers' numbers show no straggler term
 `fxpar calibrate` writes a "local" cluster whose rates are measured, so its efficiencies are 1.
 """
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Cluster:
     memory_efficiency: float = 0.8
     link_efficiency: float = 0.8
     kernel_overhead: float = 5e-6
+    sync_jitter: float = 0.0
     reserved_bytes: float = 2 * GIB
     dtype_bytes: int = 2
     description: str = ""
@@ -58,7 +62,7 @@ class Cluster:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("intra_latency", "inter_latency", "kernel_overhead", "reserved_bytes"):
+        for name in ("intra_latency", "inter_latency", "kernel_overhead", "sync_jitter", "reserved_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("gemm_efficiency", "memory_efficiency", "link_efficiency"):
@@ -151,20 +155,3 @@ def get_cluster(name_or_path: str) -> Cluster:
         return load_cluster(name_or_path)
     choices = sorted(builtins) + sorted(ALIASES) + ["local", "PATH.json"]
     raise ValueError(f"unknown cluster {name_or_path!r}; choose one of: {', '.join(choices)}")
-
-
-def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of seconds = latency + bytes / bandwidth; returns (latency, bandwidth).
-
-    Raises ValueError with the data if the fitted slope is not positive (bandwidth undefined).
-    """
-    if len(sizes) != len(seconds) or len(sizes) < 2:
-        raise ValueError(f"need at least 2 (size, seconds) pairs of equal length; got {len(sizes)} and {len(seconds)}")
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mean_x) ** 2 for x in sizes)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds))
-    if sxx == 0 or sxy <= 0:
-        raise ValueError(f"cannot fit a bandwidth: time does not grow with size ({list(zip(sizes, seconds))})")
-    slope = sxy / sxx
-    return max(0.0, mean_y - slope * mean_x), 1.0 / slope

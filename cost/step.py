@@ -8,7 +8,7 @@ then data-parallel, then pipeline stages, so a pipeline crosses nodes when t d p
 every boundary is priced at the inter-node link (the slowest boundary sets the pace).
 
 Iteration time:
-  T = (m + (p-1)/v) x T_stage  +  T_dp  +  T_tied  +  T_optimizer
+  T = (m + (p-1)/v) x T_stage  +  T_dp  +  T_tied  +  T_optimizer  +  T_sync
   T_stage  = one microbatch through the heaviest stage: its layers' forward, backward and recomputation,
              their tensor-parallel all-reduces, the LM head on the last stage, and 2 v pipeline sends.
 Overlap assumptions (Megatron-LM as of PTD-P, 2021):
@@ -17,6 +17,10 @@ Overlap assumptions (Megatron-LM as of PTD-P, 2021):
   - the data-parallel gradient all-reduce runs after the pipeline flush: no overlap with backward;
   - the tied-embedding gradient all-reduce (first <-> last stage) and the optimizer step follow it;
   - the bubble (p-1)/v x T_stage is idle time; stages are taken as equal to the heaviest one.
+Synchronization assumption: between two collectives (or a send and its receive) the ranks compute the same
+amount of work C and drift apart by sync_jitter x C; the collective waits for the last one. Summed over the
+step that is T_sync = sync_jitter x (the rank's compute, m x stage compute), whatever the number of collectives,
+and 0 on one device. sync_jitter is 0 on the GPU clusters and measured by `fxpar calibrate` on a shared CPU.
 """
 from __future__ import annotations
 
@@ -212,7 +216,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
              "dp_allreduce": allreduce_seconds(params * e, d, dp_per_node, cluster),
              "tied_embedding": (allreduce_seconds(shape.vocab * shape.hidden / t * e, 2, 1 if pipeline_inter
                                                   else 2, cluster) if p > 1 else 0.0),
-             "optimizer": optimizer_seconds(params, cluster)}
+             "optimizer": optimizer_seconds(params, cluster),
+             "sync_wait": cluster.sync_jitter * m * stage_compute if config.gpus > 1 else 0.0}
     memory = memory_per_gpu(shape, stages, t=t, b=b, m=m, v=v, schedule=config.schedule,
                             recompute=config.recompute, cluster=cluster)
     return StepEstimate(shape=shape, config=config, cluster=cluster.name, seconds=sum(parts.values()),

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
-from datetime import timedelta
-from pathlib import Path
 
 from tabulate import tabulate
 
-from fxpar.cost.cluster import DEFAULT_LOCAL_PATH, GIB, Cluster, fit_latency_bandwidth, get_cluster
+from fxpar.cost.cluster import DEFAULT_LOCAL_PATH, GIB, get_cluster
 from fxpar.cost.flops import RECOMPUTE_MODES, flops_per_iteration, parameters, training_days
 from fxpar.cost.planner import PlanResult, SearchSpace, plan
 from fxpar.cost.shape import ModelShape
@@ -152,122 +146,21 @@ def format_plan(result: PlanResult, top: int, tokens: float | None, days: float 
 
 def run_calibrate(args) -> int:
     """Handler of `fxpar calibrate`: measure, fit, write the JSON, print a summary."""
+    from fxpar.calibrate import calibrate
     from fxpar.cost.cluster import save_cluster
 
-    if args.world < 2:
-        print("fxpar calibrate: error: --world must be >= 2 (gloo latency and bandwidth need two processes)",
-              file=sys.stderr)
-        return 2
-    cluster = calibrate(world=args.world, threads=args.threads, quick=args.quick)
-    path = save_cluster(cluster, args.out)
-    print(f"wrote {path}: GEMM {cluster.peak_flops / 1e9:.1f} GFLOP/s, memory {cluster.memory_bandwidth / 1e9:.1f} "
-          f"GB/s, gloo latency {cluster.intra_latency * 1e6:.0f} us, bandwidth {cluster.intra_bandwidth / 1e9:.2f} "
-          f"GB/s, kernel overhead {cluster.kernel_overhead * 1e6:.1f} us, "
-          f"{cluster.memory_bytes / GIB:.1f} GiB per process")
-    return 0
-
-
-# ---- calibration of this machine ("local" cluster); torch is imported inside the functions ----------------
-
-GEMM_SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 1024, 1024), (1024, 4096, 1024))
-GEMM_SHAPES_QUICK = ((256, 256, 256), (512, 512, 512), (512, 1024, 512))
-ALLREDUCE_BYTES = tuple(2 ** k for k in range(10, 26, 3))  # 1 KiB .. 32 MiB
-ALLREDUCE_BYTES_QUICK = tuple(2 ** k for k in range(10, 23, 3))  # 1 KiB .. 4 MiB
-
-
-def median_seconds(fn, reps: int, warmup: int = 2) -> float:
-    """Median wall time of fn() over `reps` runs after `warmup` untimed runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_gemm_flops(quick: bool) -> float:
-    """Median over a few shapes of the fp32 torch.matmul rate, 2 m n k / seconds."""
-    import torch
-
-    rates = []
-    for m, n, k in GEMM_SHAPES_QUICK if quick else GEMM_SHAPES:
-        x, w = torch.randn(m, k), torch.randn(k, n)
-        rates.append(2.0 * m * n * k / median_seconds(lambda: torch.matmul(x, w), 3 if quick else 7))
-    return statistics.median(rates)
-
-
-def measure_kernel_overhead(quick: bool) -> float:
-    """Median time of a 16-element add: the fixed cost of one eager op."""
-    import torch
-
-    x = torch.ones(16)
-    return median_seconds(lambda: torch.add(x, x), 50 if quick else 500, warmup=10)
-
-
-def measure_memory_bandwidth(quick: bool) -> float:
-    """Bytes read + written per second by copying a 64 MiB (quick: 16 MiB) fp32 tensor."""
-    import torch
-
-    src = torch.ones((2 ** 22) if quick else (2 ** 24))
-    dst = torch.empty_like(src)
-    return 2.0 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), 3 if quick else 9)
-
-
-def gloo_worker(rank: int, world: int, store_dir: str, sizes: tuple, reps: int, threads: int, out: str) -> None:
-    """One rank: all_reduce fp32 tensors of each size `reps` times; rank 0 writes the median seconds."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        medians = []
-        for nbytes in sizes:
-            x = torch.ones(nbytes // 4)
-            dist.barrier()
-            medians.append(median_seconds(lambda: dist.all_reduce(x), reps))
-        if rank == 0:
-            Path(out).write_text(json.dumps({"sizes": list(sizes), "seconds": medians}))
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_gloo(world: int, threads: int, quick: bool) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of gloo all_reduce between `world` spawned processes.
-
-    A ring all-reduce takes 2(n-1) a + 2(n-1)/n S / B (cost.comm.ring_seconds); fitting
-    seconds = c0 + c1 S gives a = c0 / (2(n-1)) and B = 2(n-1) / (n c1), so that the cost model's own
-    formula reproduces the measurement.
-    """
-    import torch.multiprocessing as mp
-
-    sizes = ALLREDUCE_BYTES_QUICK if quick else ALLREDUCE_BYTES
-    with tempfile.TemporaryDirectory(prefix="fxpar-calibrate-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(gloo_worker, args=(world, tmp, sizes, 5 if quick else 20, threads, out), nprocs=world, join=True)
-        result = json.loads(Path(out).read_text())
-    intercept, bandwidth_slope = fit_latency_bandwidth(result["sizes"], result["seconds"])
-    steps = 2 * (world - 1)
-    return intercept / steps, bandwidth_slope * steps / world
-
-
-def calibrate(world: int = 2, threads: int = 1, quick: bool = False) -> Cluster:
-    """Measure this machine and return it as a one-node Cluster of `world` fp32 "devices" (processes).
-
-    Measured rates are achievable ones, so every efficiency is 1; memory per device is RAM / world.
-    """
-    import torch
-
-    torch.set_num_threads(threads)
-    latency, bandwidth = measure_gloo(world, threads, quick)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Cluster(name="local", peak_flops=measure_gemm_flops(quick), memory_bytes=ram / world,
-                   memory_bandwidth=measure_memory_bandwidth(quick), gpus_per_node=world,
-                   intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth,
-                   inter_latency=latency, gemm_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
-                   kernel_overhead=measure_kernel_overhead(quick), reserved_bytes=0.5 * GIB, dtype_bytes=4,
-                   description=f"this machine: {world} processes x {threads} thread(s), fp32 on CPU, gloo "
-                               f"(measured by fxpar calibrate{' --quick' if quick else ''})")
+        cluster, layer_error, raw = calibrate(world=args.world, threads=args.threads, quick=args.quick)
+    except ValueError as e:
+        print(f"fxpar calibrate: error: {e}", file=sys.stderr)
+        return 2
+    path = save_cluster(cluster, args.out)
+    measured = path.with_name(path.stem + ".measurements.json")
+    measured.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"wrote {path}: GEMM peak {cluster.peak_flops / 1e9:.1f} GFLOP/s, {cluster.gemm_efficiency:.2f} of it in a "
+          f"Transformer layer, op overhead {cluster.kernel_overhead * 1e6:.1f} us (layer fit rms error "
+          f"{layer_error * 100:.1f}%), memory {cluster.memory_bandwidth / 1e9:.1f} GB/s, gloo latency "
+          f"{cluster.intra_latency * 1e6:.0f} us per ring step, bandwidth {cluster.intra_bandwidth / 1e9:.2f} GB/s, "
+          f"sync jitter {cluster.sync_jitter * 100:.1f}% of compute, {cluster.memory_bytes / GIB:.1f} GiB per process; "
+          f"the measurements behind it: {measured}")
+    return 0

@@ -84,3 +84,25 @@ def test_pp_step_runs_and_matches_torch_pipelining(capsys):
                   "--rounds", "1", "--steps", "1", "--warmup", "0"])  # raises if any variant is not exact
     out = capsys.readouterr().out
     assert "fxpar interleaved" in out and "torch interleaved" in out
+
+
+def test_spearman_with_ties_and_inversions():
+    from benchmarks import fidelity
+
+    assert fidelity.ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert fidelity.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert fidelity.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert fidelity.spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="equal-length"):
+        fidelity.spearman([1], [1])
+
+
+def test_fidelity_runs_end_to_end(capsys, tmp_path):
+    from benchmarks import fidelity
+
+    rows = fidelity.main([*TINY_GPT, "--batch", "4", "--worlds", "1", "--rounds", "1", "--passes", "1",
+                          "--warmup", "0", "--quick-calibrate", "--clusters", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Spearman" in out and "`fxpar calibrate --world 2`" in out and (tmp_path / "local-2.json").is_file()
+    assert [r["config"] for r in rows] == [fidelity.describe(c) for c in fidelity.CONFIGS[1]]
+    assert all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)

@@ -68,10 +68,14 @@ def test_plan_target_tiny(capsys):
 def test_calibrate_quick_then_plan_locally(tmp_path, capsys):
     path = tmp_path / "local.json"
     assert run(["calibrate", "--quick", "--out", str(path)]) == 0
-    assert str(path) in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert str(path) in out and "layer fit rms error" in out
     local = load_cluster(path)
     assert local.name == "local" and local.gpus_per_node == 2 and local.dtype_bytes == 4
     assert 1e8 < local.peak_flops < 1e13 and local.intra_bandwidth > 1e6 and local.intra_latency < 0.1
+    assert 0 < local.gemm_efficiency <= 1 and local.kernel_overhead >= 0 and local.sync_jitter >= 0
+    measured = json.loads((tmp_path / "local.measurements.json").read_text())
+    assert {"peak_flops", "memory_bandwidth", "layers", "allreduce", "sync"} <= set(measured)
     shape = ModelShape(layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=8)
     one = predict_step_seconds(shape, 1, 1, 1, 8, cluster=local)
     assert 0 < one and plan(shape, 2, local).best.seconds > 0

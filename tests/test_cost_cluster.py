@@ -1,4 +1,4 @@
-"""Clusters as data, the latency/bandwidth fit, and cost/ importing nothing of ours."""
+"""Clusters as data, and cost/ importing nothing of ours."""
 import ast
 import dataclasses
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpar.cost.cluster import Cluster, builtin_clusters, fit_latency_bandwidth, get_cluster, load_cluster, save_cluster
+from fxpar.cost.cluster import Cluster, builtin_clusters, get_cluster, load_cluster, save_cluster
 
 COST_DIR = Path(__file__).resolve().parents[1] / "cost"
 
@@ -24,6 +24,8 @@ def test_cluster_validation_names_the_field():
         dataclasses.replace(builtin_clusters()["selene"], gemm_efficiency=1.5)
     with pytest.raises(ValueError, match="gpus_per_node"):
         dataclasses.replace(builtin_clusters()["selene"], gpus_per_node=0)
+    with pytest.raises(ValueError, match="sync_jitter must be >= 0, got -0.1"):
+        dataclasses.replace(builtin_clusters()["selene"], sync_jitter=-0.1)
 
 
 def test_json_round_trip_and_unknown_keys(tmp_path):
@@ -38,14 +40,6 @@ def test_unknown_cluster_lists_the_choices(tmp_path):
         get_cluster("tpu")
     with pytest.raises(ValueError, match="fxpar calibrate --out"):
         get_cluster(str(tmp_path / "missing.json"))
-
-
-def test_fit_recovers_latency_and_bandwidth():
-    sizes = [1e3, 1e5, 1e6, 1e7]
-    latency, bandwidth = fit_latency_bandwidth(sizes, [2e-5 + s / 3e9 for s in sizes])
-    assert latency == pytest.approx(2e-5) and bandwidth == pytest.approx(3e9)
-    with pytest.raises(ValueError, match="does not grow with size"):
-        fit_latency_bandwidth([1, 2, 3], [3, 2, 1])
 
 
 def test_cost_imports_only_stdlib_and_itself():

@@ -4,6 +4,7 @@ One set of assumptions for every row: the cluster data in fxpar.cost.cluster, th
 setting (interleaved schedule where p > 1, scatter/gather, full recomputation), and b, v chosen by the
 planner exactly as it would for any user. Nothing per row.
 """
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -148,3 +149,17 @@ def test_bad_configurations_name_the_constraint(config, message):
 def test_vpp_needs_a_pipeline():
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         ParallelConfig(tp=1, pp=1, vpp=2)
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(tp=2, recompute="none"), ParallelConfig(tp=1, pp=2, microbatch=2),
+                                    ParallelConfig(tp=1, dp=2, microbatch=4)])
+def test_sync_wait_is_the_jitter_times_the_rank_compute(config):
+    """Ranks drifting apart by sync_jitter of their compute cost that much once per step, on any mesh; one device
+    never waits, and the GPU clusters have no jitter (Table 1 is priced without it)."""
+    shape = ModelShape(layers=4, hidden=128, heads=8, seq=128, vocab=256, batch=8)
+    jittery = dataclasses.replace(get_cluster("selene"), sync_jitter=0.15)
+    est = estimate(shape, config, jittery)
+    assert est.parts["sync_wait"] == pytest.approx(0.15 * est.parts["compute"])
+    assert est.seconds == pytest.approx(sum(est.parts.values()))
+    assert estimate(shape, ParallelConfig(tp=1, microbatch=8), jittery).parts["sync_wait"] == 0.0
+    assert estimate(shape, config, get_cluster("selene")).parts["sync_wait"] == 0.0
