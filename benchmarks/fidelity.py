@@ -12,20 +12,18 @@ Reported: per configuration measured and predicted seconds and |predicted - meas
 Spearman rank correlation of predicted against measured (average ranks for ties, written here, no scipy) and the
 median absolute error.
 
-How the local CPU differs from the GPU clusters the cost model was written for, and what this script does about it:
-  * a "device" is a process with 1 thread; `fxpar calibrate --quick` measures GEMM FLOP/s, copy bandwidth, the cost
-    of one eager op ("kernel overhead") with one process alone, and gloo's all-reduce latency and bandwidth between
-    2 idle processes, and writes a one-node cluster. "predicted" is the unmodified cost model on that cluster.
-  * on a machine shared with other work (or with more ranks than cores) a rank gets less than a core, and a
-    collective waits for its peers to be scheduled. So "in situ" re-measures the same rates, with the same
-    calibrate routines, inside each world while all its ranks run them at once (before and after the timed rounds,
-    median over passes), and predicts again with the cost model unchanged. Only the rates differ.
-  * world sizes above the core count oversubscribe the CPU (4 ranks on 2 cores); those rows are flagged, and the
-    summary is printed with and without them.
+How the local CPU is described to the cost model (nothing in the model is specific to it):
+  * a "device" is a process with 1 thread; `fxpar calibrate --world W` measures, with all W processes busy at
+    once, the GEMM peak, copy bandwidth, a Transformer layer's forward + backward at a ladder of sizes (fitted to
+    the model's layer time: GEMM efficiency and per-op overhead), gloo all-reduce latency and bandwidth, and the
+    ranks' drift between collectives (sync jitter). The model on that cluster is "predicted".
+  * the rows of each world size use the cluster calibrated with W = max(world, 2): the rates of a device while as
+    many devices share the machine. World sizes above the core count oversubscribe the CPU (4 ranks on 2 cores);
+    those rows are flagged, and the summary is printed with and without them.
 
 Run:
-    .venv/bin/python benchmarks/fidelity.py                        # calibrates into a temp dir first (quick mode)
-    .venv/bin/python benchmarks/fidelity.py --cluster local.json   # reuse a calibrated cluster
+    .venv/bin/python benchmarks/fidelity.py                       # calibrates into a temporary folder first
+    .venv/bin/python benchmarks/fidelity.py --clusters DIR        # reuse (or write) DIR/local-W.json
     .venv/bin/python benchmarks/fidelity.py --worlds 1 2 --rounds 10
 """
 from __future__ import annotations
@@ -190,7 +188,7 @@ def _rates(c) -> str:
             f"{c.sync_jitter * 100:.1f}%")
 
 
-def format_table(rows: list[dict], cfg: GPTConfig, args, clusters: dict, load: tuple) -> str:
+def format_table(rows: list[dict], cfg: GPTConfig, args, clusters: dict[int, list], load: tuple) -> str:
     from tabulate import tabulate
 
     table = [[r["config"], r["world"], r["measured"], r["predicted"],
@@ -200,9 +198,10 @@ def format_table(rows: list[dict], cfg: GPTConfig, args, clusters: dict, load: t
     head = (f"train step (pm.step + Adam) of GPT layers={cfg.layers} hidden={cfg.hidden} heads={cfg.heads} "
             f"seq={cfg.seq} vocab={cfg.vocab} attention={cfg.attention}, global batch {args.batch}; gloo, 1 "
             f"thread/rank, {os.cpu_count()} cores (load average {load[0]:.1f} at start, {load[1]:.1f} at end); "
-            f"median of {args.passes} passes x {args.rounds} interleaved rounds per world size.\n"
-            + "\n".join(f"{w} rank(s): `fxpar calibrate --world {max(w, 2)}`: {_rates(c)}"
-                        for w, c in clusters.items()))
+            f"measured: median of {args.passes} passes x {args.rounds} interleaved rounds per world size; "
+            f"predicted: median over the passes' calibrations.\n"
+            + "\n".join(f"{w} rank(s), pass {k}: `fxpar calibrate --world {max(w, 2)}`: {_rates(c)}"
+                        for w, cs in clusters.items() for k, c in enumerate(cs)))
     body = tabulate(table, headers=["config", "ranks", "measured s", "predicted s", "abs err %",
                                     "predicted parts (ms)", ""], floatfmt=(None, None, ".4f", ".4f", ".1f"))
     fitting = [r for r in rows if not r["oversubscribed"]]
@@ -219,13 +218,12 @@ def gpt_config(args) -> GPTConfig:
                      attention=args.attention)
 
 
-def calibrated_cluster(folder: str, world: int, quick: bool):
-    """The cluster `fxpar calibrate --world W` writes for a node of W = max(world, 2) processes (reused if
-    folder already has it): the rates of a device while as many devices share the machine as in the run."""
+def calibrated_cluster(path: str, world: int, quick: bool):
+    """The cluster `fxpar calibrate --world W` writes to `path` (reused if it exists) for a node of
+    W = max(world, 2) processes: the rates of a device while as many devices share the machine as in the run."""
     from fxpar.cost.cluster import load_cluster
 
     world = max(world, 2)
-    path = os.path.join(folder, f"local-{world}.json")
     if not os.path.exists(path):
         subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--world", str(world), "--out", path]
                        + ["--quick"] * quick, check=True)
@@ -243,32 +241,40 @@ def _parse(argv):
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "explicit"])
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], choices=sorted(CONFIGS))
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per world size per pass")
-    p.add_argument("--passes", type=int, default=2, help="passes over the world sizes (so drift hits each alike)")
+    p.add_argument("--passes", type=int, default=3, help="passes over the world sizes (so drift hits each alike)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per config first")
-    p.add_argument("--clusters", help="folder of calibrated local-W.json clusters, written there if missing "
-                                      "(default: calibrate into a temporary folder)")
+    p.add_argument("--clusters", help="folder of calibrated local-W.json clusters, written there if missing and "
+                                      "used for every pass (default: calibrate afresh right before each world "
+                                      "of each pass)")
     p.add_argument("--quick-calibrate", action="store_true", help="calibrate with --quick")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
+    """Per pass and world size: `fxpar calibrate`, then the timed rounds right after it (a shared machine's speed
+    drifts over minutes; a calibration predicts the steps of its own time). Medians over passes of both."""
     args = _parse(argv)
     cfg = gpt_config(args)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned ranks
     start_load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as tmp:
-        clusters = {w: calibrated_cluster(args.clusters or tmp, w, args.quick_calibrate) for w in args.worlds}
     samples = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}
-    for _ in range(args.passes):
-        for world in args.worlds:
-            for c, times in measure(args, world).items():
-                samples[world][c] += times
+    predictions = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}
+    clusters = {w: [] for w in args.worlds}
+    with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as tmp:
+        for k in range(args.passes):
+            for world in args.worlds:
+                name = f"local-{max(world, 2)}.json" if args.clusters else f"local-{world}-pass{k}.json"
+                cluster = calibrated_cluster(os.path.join(args.clusters or tmp, name), world, args.quick_calibrate)
+                clusters[world].append(cluster)
+                for c, times in measure(args, world).items():
+                    samples[world][c] += times
+                    predictions[world][c].append(predict(cfg, args.batch, c, cluster))
     rows = []
     for world in args.worlds:
         for c, times in samples[world].items():
-            predicted, parts = predict(cfg, args.batch, c, clusters[world])
+            seconds, parts = sorted(predictions[world][c], key=lambda sp: sp[0])[len(predictions[world][c]) // 2]
             rows.append({"config": describe(c), "world": world, "measured": statistics.median(times),
-                         "samples": times, "predicted": predicted, "parts": parts,
+                         "samples": times, "predicted": seconds, "parts": parts,
                          "oversubscribed": world > (os.cpu_count() or 1)})
     print(format_table(rows, cfg, args, clusters, (start_load, os.getloadavg()[0])), flush=True)
     return rows

@@ -143,14 +143,14 @@ def measure_comm(quick: bool, group=None) -> dict:
     tensors = {n: torch.ones(n // 4) for n in sizes}
     dist.barrier(group)
     seconds = interleaved({n: (lambda x=x: dist.all_reduce(x, group=group)) for n, x in tensors.items()},
-                          10 if quick else 25, reduce=statistics.fmean, before=lambda: dist.barrier(group),
+                          10 if quick else 40, reduce=statistics.fmean, before=lambda: dist.barrier(group),
                           repeat=False)
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     per_gemm = median_seconds(lambda: torch.matmul(a, b), 20)
     small = torch.ones(256)
     sync = {c: ([], []) for c in SYNC_SECONDS}
     dist.barrier(group)
-    for _ in range(10 if quick else 30):
+    for _ in range(10 if quick else 40):
         for c in SYNC_SECONDS:
             start = time.perf_counter()
             for _ in range(max(1, round(c / per_gemm))):
