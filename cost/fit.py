@@ -6,7 +6,7 @@ Measured numbers go in; a Cluster whose formulas reproduce them comes out. Nothi
                          1 KiB and a 4 MiB message weigh alike (plain least squares lets the largest sizes
                          decide alone, and the small tensor-parallel messages get a wrong latency).
   fit_compute            gemm_efficiency and kernel_overhead such that compute.layer_seconds (forward +
-                         backward of one layer, t = 1) matches measured layer times at a ladder of sizes:
+                         backward of one layer on one rank of t) matches measured layer times at a ladder of sizes:
                          efficiency sets the large-size throughput, overhead the fixed cost per kernel.
 """
 from __future__ import annotations
@@ -45,16 +45,17 @@ def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[flo
     return intercept, 1.0 / slope
 
 
-def _layer_step(shape: ModelShape, b: int, cluster: Cluster) -> float:
-    one = layer_seconds(shape, b, 1, cluster)
+def _layer_step(shape: ModelShape, b: int, t: int, cluster: Cluster) -> float:
+    one = layer_seconds(shape, b, t, cluster)
     return one.forward + one.backward
 
 
-def fit_compute(samples: list[tuple[ModelShape, int, float]], cluster: Cluster,
+def fit_compute(samples: list[tuple[ModelShape, int, int, float]], cluster: Cluster,
                 efficiencies: int = 200) -> tuple[Cluster, float]:
     """(cluster with fitted gemm_efficiency and kernel_overhead, rms relative error of the fit).
 
-    samples: (shape, microbatch b, measured seconds of one layer's forward + backward at t = 1).
+    samples: (shape, microbatch b, tensor-parallel t, measured seconds of one rank's forward + backward of one
+    layer, communication excluded).
     For each efficiency on a log grid over (0.01, 1], the overhead has a closed form (the model is linear in
     it: every kernel pays it once); the pair with the least squared relative error wins.
     """
@@ -65,9 +66,9 @@ def fit_compute(samples: list[tuple[ModelShape, int, float]], cluster: Cluster,
         eff = math.exp(math.log(0.01) * (1 - (i + 1) / efficiencies))
         base_cluster = dataclasses.replace(cluster, gemm_efficiency=eff, kernel_overhead=0.0)
         unit_cluster = dataclasses.replace(base_cluster, kernel_overhead=1.0)
-        base = [_layer_step(s, b, base_cluster) for s, b, _ in samples]
-        kernels = [_layer_step(s, b, unit_cluster) - z for (s, b, _), z in zip(samples, base)]
-        measured = [y for _, _, y in samples]
+        base = [_layer_step(s, b, t, base_cluster) for s, b, t, _ in samples]
+        kernels = [_layer_step(s, b, t, unit_cluster) - z for (s, b, t, _), z in zip(samples, base)]
+        measured = [y for *_, y in samples]
         num = sum(k * (y - z) / y ** 2 for k, y, z in zip(kernels, measured, base))
         den = sum(k * k / y ** 2 for k, y in zip(kernels, measured))
         overhead = max(0.0, num / den)

@@ -4,8 +4,8 @@ Every measurement runs in all `world` processes at once, as the ranks of a train
 the cores, the memory bus and the loopback network with its peers, so a rate measured alone would be too high.
 
   1. peak GEMM rate: fp32 matmul of a few square shapes (the Cluster's peak_flops), and copy bandwidth;
-  2. a Pre-LN Transformer layer (causal SDPA, GeLU MLP), forward + backward at a ladder of sizes, fitted to the
-     cost model's own layer time (fxpar.cost.fit.fit_compute): gemm_efficiency is the fraction of the peak the
+  2. a Pre-LN Transformer layer (causal SDPA, GeLU MLP), forward + backward at a ladder of sizes, whole and as
+     one rank's share of a tensor-parallel layer, fitted to the cost model's own layer time (fxpar.cost.fit.fit_compute): gemm_efficiency is the fraction of the peak the
      layer's GEMM mix sustains, kernel_overhead the fixed cost of one op (dispatch, autograd, launch);
   3. gloo all-reduce at sizes 1 KiB .. 4 MiB (32 MiB without --quick), back to back, mean time per size
      (a step pays every slow call, not the median one); fitted to the ring formula (fxpar.cost.comm.ring_seconds)
@@ -37,8 +37,10 @@ from fxpar.cost.shape import ModelShape
 GEMM_SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 1024))
 GEMM_SHAPES_QUICK = ((256, 256, 256), (512, 512, 512))
 # (b, s, h, a): overhead-bound to throughput-bound
-LAYER_SIZES = ((1, 16, 32, 2), (2, 64, 64, 4), (2, 128, 128, 8), (4, 128, 256, 8), (4, 128, 512, 8))
-LAYER_SIZES_QUICK = ((1, 16, 32, 2), (2, 128, 128, 8), (4, 128, 256, 8))
+# (b, s, h, a, t): overhead-bound to throughput-bound, whole layers and one rank's share of a t-way one
+LAYER_SIZES = ((1, 16, 32, 2, 1), (2, 64, 64, 4, 1), (2, 128, 128, 8, 1), (4, 128, 256, 8, 1), (4, 128, 512, 8, 1),
+               (2, 128, 128, 8, 2), (4, 128, 256, 8, 2), (4, 128, 256, 8, 4))
+LAYER_SIZES_QUICK = ((1, 16, 32, 2, 1), (2, 128, 128, 8, 1), (4, 128, 256, 8, 1), (4, 128, 256, 8, 2))
 ALLREDUCE_BYTES = tuple(2 ** k for k in range(10, 26, 3))  # 1 KiB .. 32 MiB
 ALLREDUCE_BYTES_QUICK = tuple(2 ** k for k in range(10, 23, 3))  # 1 KiB .. 4 MiB
 SYNC_SECONDS = (2e-3, 32e-3)  # compute between two all-reduces, for the jitter
@@ -81,27 +83,32 @@ def interleaved(fns: dict, rounds: int, reduce=statistics.median, before=None, r
 
 
 class Layer(nn.Module):
-    """GPT-2's Pre-LN block: x + proj(causal SDPA(qkv(LN x))), then x + fc2(GeLU(fc1(LN x)))."""
+    """GPT-2's Pre-LN block: x + proj(causal SDPA(qkv(LN x))), then x + fc2(GeLU(fc1(LN x))).
 
-    def __init__(self, hidden: int, heads: int):
+    With tp = t > 1 it is the compute of one rank of a t-way tensor-parallel layer, without the all-reduces:
+    a / t heads, qkv and fc1 with 1/t of their outputs, proj and fc2 with 1/t of their inputs.
+    """
+
+    def __init__(self, hidden: int, heads: int, tp: int = 1):
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads // tp, hidden // heads
+        inner = self.heads * self.head_dim
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * inner), nn.Linear(inner, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden // tp), nn.Linear(4 * hidden // tp, hidden)
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
         x = x + self.proj(y)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def layer_step(b: int, s: int, h: int, a: int):
-    """A closure running one forward + backward of Layer(h, a) on a [b, s, h] input."""
+def layer_step(b: int, s: int, h: int, a: int, t: int = 1):
+    """A closure running one forward + backward of Layer(h, a, t) on a [b, s, h] input."""
     torch.manual_seed(0)
-    layer, x = Layer(h, a), torch.randn(b, s, h, requires_grad=True)
+    layer, x = Layer(h, a, t), torch.randn(b, s, h, requires_grad=True)
 
     def step():
         layer(x).sum().backward()
@@ -222,8 +229,8 @@ def fit(raw: dict, world: int, threads: int, quick: bool) -> tuple[Cluster, floa
                                f"(measured by fxpar calibrate{' --quick' if quick else ''}, all processes at once)")
     samples = []
     for size, seconds in raw["layers"]:
-        b, s, h, a = map(round, size)
-        samples.append((ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, seconds))
+        b, s, h, a, t = map(round, size)
+        samples.append((ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, t, seconds))
     return fit_compute(samples, base)
 
 

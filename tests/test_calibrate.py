@@ -37,16 +37,16 @@ def test_layer_is_a_causal_block():
 def raw_from(truth, world: int) -> dict:
     """Measurements a machine that behaves exactly like the cost model with `truth`'s rates would give."""
     layers = []
-    for b, s, h, a in [(1, 16, 32, 2), (2, 128, 128, 8), (4, 128, 256, 8)]:
-        one = layer_seconds(ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, 1, truth)
-        layers.append([[b, s, h, a], one.forward + one.backward])
+    for b, s, h, a, t in [(1, 16, 32, 2, 1), (2, 128, 128, 8, 1), (4, 128, 256, 8, 1), (4, 128, 256, 8, 2)]:
+        one = layer_seconds(ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, t, truth)
+        layers.append([[b, s, h, a, t], one.forward + one.backward])
     sizes = [2 ** k for k in range(10, 23, 3)]
     return {"peak_flops": truth.peak_flops, "memory_bandwidth": truth.memory_bandwidth, "layers": layers,
             "allreduce": [[n, allreduce_seconds(n, world, world, truth)] for n in sizes],
             "sync": [[0.002, 0.0015 + 0.1 * 0.002], [0.032, 0.0015 + 0.1 * 0.032]]}
 
 
-ROUGH = {"peak_flops": 5e10, "memory_bandwidth": 2e10, "layers": [[[1, 16, 32, 2], 1e-3], [[4, 128, 256, 8], 5e-2]],
+ROUGH = {"peak_flops": 5e10, "memory_bandwidth": 2e10, "layers": [[[1, 16, 32, 2, 1], 1e-3], [[4, 128, 256, 8, 2], 3e-2]],
          "allreduce": [[1024, 2e-3], [4194304, 8e-3]], "sync": [[0.002, 0.002], [0.032, 0.002]]}
 
 
@@ -67,3 +67,10 @@ def test_fit_reproduces_the_measurements_through_the_cost_model(world):
 def test_fit_never_gives_a_negative_jitter():
     raw = dict(ROUGH, sync=[[0.002, 0.004], [0.032, 0.003]])  # the longer stretch happened to wait less
     assert fit(raw, 2, 1, True)[0].sync_jitter == 0.0
+
+
+def test_a_tensor_parallel_share_has_the_rank_s_weights():
+    whole, share = Layer(64, 8), Layer(64, 8, tp=4)
+    assert share.qkv.weight.shape == (3 * 16, 64) and share.proj.weight.shape == (64, 16)
+    assert share.fc1.weight.shape == (64, 64) and share.fc2.weight.shape == (64, 64)
+    assert share(torch.randn(2, 4, 64)).shape == (2, 4, 64) and whole.fc1.weight.shape == (256, 64)

@@ -11,7 +11,7 @@ from fxpar.cost.shape import ModelShape
 CPU = Cluster(name="cpu", peak_flops=60e9, memory_bytes=8e9, memory_bandwidth=20e9, gpus_per_node=2,
               intra_bandwidth=1e9, intra_latency=1e-3, inter_bandwidth=1e9, inter_latency=1e-3, gemm_efficiency=1.0,
               memory_efficiency=1.0, link_efficiency=1.0, dtype_bytes=4)
-LADDER = [(1, 16, 32, 2), (2, 128, 128, 8), (4, 128, 256, 8), (4, 128, 512, 8)]
+LADDER = [(1, 16, 32, 2, 1), (2, 128, 128, 8, 1), (4, 128, 256, 8, 1), (4, 128, 512, 8, 1), (4, 128, 256, 8, 2)]
 
 
 def test_latency_and_bandwidth_recovered_exactly():
@@ -45,10 +45,10 @@ def test_latency_fit_errors_show_the_data():
 
 def samples_from(cluster):
     out = []
-    for b, s, h, a in LADDER:
+    for b, s, h, a, t in LADDER:
         shape = ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b)
-        one = layer_seconds(shape, b, 1, cluster)
-        out.append((shape, b, one.forward + one.backward))
+        one = layer_seconds(shape, b, t, cluster)
+        out.append((shape, b, t, one.forward + one.backward))
     return out
 
 
@@ -64,7 +64,7 @@ def test_compute_fit_recovers_efficiency_and_overhead(efficiency, overhead):
 
 def test_compute_fit_reports_a_poor_fit():
     """Times the model cannot produce (flat in size) fit badly, and the rms error says so."""
-    samples = [(shape, b, 0.01) for shape, b, _ in samples_from(CPU)]
+    samples = [(shape, b, t, 0.01) for shape, b, t, _ in samples_from(CPU)]
     _, rms = fit_compute(samples, CPU)
     assert rms > 0.3
 
