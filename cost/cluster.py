@@ -21,7 +21,9 @@ every GPU cluster [Note: one calibration]:
   link_efficiency 0.8    NCCL bus bandwidth is about 80% of NVLink / InfiniBand link bandwidth
   kernel_overhead 5 us   launch gap plus ramp-up and tail of each kernel
   sync_jitter 0          GPUs of one job run in lockstep; the papers' numbers show no straggler term
-`fxpar calibrate` writes a "local" cluster whose rates are measured, so its efficiencies are 1.
+`fxpar calibrate` writes a "local" cluster whose rates are measured: memory and link efficiencies are 1, the
+GEMM efficiency and kernel overhead are fitted to a Transformer layer's measured time (cost.fit), and sync_jitter
+is measured.
 """
 from __future__ import annotations
 

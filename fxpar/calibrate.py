@@ -5,8 +5,9 @@ the cores, the memory bus and the loopback network with its peers, so a rate mea
 
   1. peak GEMM rate: fp32 matmul of a few square shapes (the Cluster's peak_flops), and copy bandwidth;
   2. a Pre-LN Transformer layer (causal SDPA, GeLU MLP), forward + backward at a ladder of sizes, whole and as
-     one rank's share of a tensor-parallel layer, fitted to the cost model's own layer time (fxpar.cost.fit.fit_compute): gemm_efficiency is the fraction of the peak the
-     layer's GEMM mix sustains, kernel_overhead the fixed cost of one op (dispatch, autograd, launch);
+     one rank's share of a tensor-parallel layer, fitted to the cost model's own layer time
+     (fxpar.cost.fit.fit_compute): gemm_efficiency is the fraction of the peak the layer's GEMM mix sustains,
+     kernel_overhead the fixed cost of one op (dispatch, autograd, launch);
   3. gloo all-reduce at sizes 1 KiB .. 4 MiB (32 MiB without --quick), back to back, mean time per size
      (a step pays every slow call, not the median one); fitted to the ring formula (fxpar.cost.comm.ring_seconds)
      for latency and bandwidth, on relative error;
