@@ -3,7 +3,7 @@
     fxpar plan --layers 96 --hidden 12288 --heads 96 --batch 1536 --gpus 1024 --cluster selene
     fxpar plan examples/gpt3_175b.py:factory --batch 1536 --gpus 1024 --tokens 300e9
     fxpar plan ... --tp 8 --pp 16 --json          # estimate that (t, p); b and v chosen unless given
-    fxpar calibrate [--out ~/.cache/fxpar/local.json]  # then: fxpar plan ... --cluster local
+    fxpar calibrate [--world 2] [--out ~/.cache/fxpar/local.json]  # then: fxpar plan ... --cluster local
 
 Glossary: t tensor-, p pipeline-, d data-parallel degree; b microbatch; v chunks per device (interleaved).
 The model behind the numbers is in fxpar.cost (module docstrings list every formula and overlap assumption).
@@ -48,7 +48,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the best configuration as one JSON object")
     p.set_defaults(func=run_plan)
 
-    c = subparsers.add_parser("calibrate", help="measure this machine's GEMM rate and gloo latency/bandwidth")
+    c = subparsers.add_parser("calibrate", help="measure this machine as a node of --world busy devices: GEMM rate, "
+                                                    "layer fit, gloo latency/bandwidth, sync jitter")
     c.add_argument("--out", default=str(DEFAULT_LOCAL_PATH), help=f"JSON to write (default {DEFAULT_LOCAL_PATH})")
     c.add_argument("--world", type=int, default=2, help="processes (devices) per node (default 2)")
     c.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
