@@ -133,16 +133,14 @@ def measure(args, world: int) -> dict:
 def predict(cfg: GPTConfig, batch: int, c: tuple, cluster) -> tuple[float, dict]:
     """The cost model's seconds per step for config c, and its parts."""
     from fxpar.cost import ModelShape
-    from fxpar.cost.step import ParallelConfig, estimate, predict_step_seconds
+    from fxpar.cost.step import ParallelConfig, estimate
 
     t, p, d, m = c
     shape = ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq=cfg.seq, vocab=cfg.vocab,
                        batch=batch)
     b = batch // (d * m)
-    seconds = predict_step_seconds(shape, t, p, d, b, 1, cluster=cluster, recompute="none", schedule="1f1b")
-    parts = estimate(shape, ParallelConfig(tp=t, pp=p, dp=d, microbatch=b, recompute="none", schedule="1f1b"),
-                     cluster).parts  # the same estimate, split into its terms
-    return seconds, parts
+    est = estimate(shape, ParallelConfig(tp=t, pp=p, dp=d, microbatch=b, recompute="none", schedule="1f1b"), cluster)
+    return est.seconds, est.parts  # est.seconds is predict_step_seconds for the same arguments
 
 
 def ranks(xs: list[float]) -> list[float]:
@@ -219,11 +217,10 @@ def gpt_config(args) -> GPTConfig:
 
 
 def calibrated_cluster(path: str, world: int, quick: bool):
-    """The cluster `fxpar calibrate --world W` writes to `path` (reused if it exists) for a node of
-    W = max(world, 2) processes: the rates of a device while as many devices share the machine as in the run."""
+    """The cluster `fxpar calibrate --world world` writes to `path` (reused if it exists): the rates of a device
+    while `world` devices share the machine."""
     from fxpar.cost.cluster import load_cluster
 
-    world = max(world, 2)
     if not os.path.exists(path):
         subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--world", str(world), "--out", path]
                        + ["--quick"] * quick, check=True)
@@ -263,8 +260,9 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as tmp:
         for k in range(args.passes):
             for world in args.worlds:
-                name = f"local-{max(world, 2)}.json" if args.clusters else f"local-{world}-pass{k}.json"
-                cluster = calibrated_cluster(os.path.join(args.clusters or tmp, name), world, args.quick_calibrate)
+                devices = max(world, 2)  # gloo needs two processes to calibrate; one rank runs as one of two
+                name = f"local-{devices}.json" if args.clusters else f"local-{world}-pass{k}.json"
+                cluster = calibrated_cluster(os.path.join(args.clusters or tmp, name), devices, args.quick_calibrate)
                 clusters[world].append(cluster)
                 for c, times in measure(args, world).items():
                     samples[world][c] += times

@@ -61,6 +61,7 @@ def fit_compute(samples: list[tuple[ModelShape, int, int, float]], cluster: Clus
     """
     if len(samples) < 2:
         raise ValueError(f"fit_compute needs >= 2 measured sizes, got {len(samples)}")
+    measured = [y for *_, y in samples]
     best = None
     for i in range(efficiencies):
         eff = math.exp(math.log(0.01) * (1 - (i + 1) / efficiencies))
@@ -68,7 +69,6 @@ def fit_compute(samples: list[tuple[ModelShape, int, int, float]], cluster: Clus
         unit_cluster = dataclasses.replace(base_cluster, kernel_overhead=1.0)
         base = [_layer_step(s, b, t, base_cluster) for s, b, t, _ in samples]
         kernels = [_layer_step(s, b, t, unit_cluster) - z for (s, b, t, _), z in zip(samples, base)]
-        measured = [y for *_, y in samples]
         num = sum(k * (y - z) / y ** 2 for k, y, z in zip(kernels, measured, base))
         den = sum(k * k / y ** 2 for k, y in zip(kernels, measured))
         overhead = max(0.0, num / den)

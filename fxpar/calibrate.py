@@ -37,7 +37,6 @@ from fxpar.cost.shape import ModelShape
 
 GEMM_SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 1024))
 GEMM_SHAPES_QUICK = ((256, 256, 256), (512, 512, 512))
-# (b, s, h, a): overhead-bound to throughput-bound
 # (b, s, h, a, t): overhead-bound to throughput-bound, whole layers and one rank's share of a t-way one
 LAYER_SIZES = ((1, 16, 32, 2, 1), (2, 64, 64, 4, 1), (2, 128, 128, 8, 1), (4, 128, 256, 8, 1), (4, 128, 512, 8, 1),
                (2, 128, 128, 8, 2), (4, 128, 256, 8, 2), (4, 128, 256, 8, 4))
@@ -121,7 +120,7 @@ def measure_compute(quick: bool) -> dict:
     """GEMM peak, copy bandwidth and the layer ladder, timed interleaved (see `interleaved`).
 
     Returns {"peak_flops": best GEMM rate over the shapes, "memory_bandwidth": bytes/s of a 16 or 64 MiB copy,
-    "layers": [[b, s, h, a], seconds of forward + backward]}.
+    "layers": [[b, s, h, a, t], seconds of one rank's forward + backward]}.
     """
     fns, flops = {}, {}
     for m, n, k in GEMM_SHAPES_QUICK if quick else GEMM_SHAPES:
@@ -214,8 +213,8 @@ def fit(raw: dict, world: int, threads: int, quick: bool) -> tuple[Cluster, floa
     A ring all-reduce takes 2(n-1) a + 2(n-1)/n S / B (cost.comm.ring_seconds); fitting seconds = c0 + S / c1
     gives a = c0 / (2(n-1)) and B = c1 2(n-1) / n, so that the cost model's formula reproduces the measurement.
     """
-    sizes, seconds = zip(*raw["allreduce"])
-    intercept, slope_bandwidth = fit_latency_bandwidth(list(sizes), list(seconds))
+    sizes, allreduce_seconds = zip(*raw["allreduce"])
+    intercept, slope_bandwidth = fit_latency_bandwidth(list(sizes), list(allreduce_seconds))
     steps = 2 * (world - 1)
     latency, bandwidth = intercept / steps, slope_bandwidth * steps / world
     (short, short_wait), (long, long_wait) = raw["sync"]
@@ -229,9 +228,9 @@ def fit(raw: dict, world: int, threads: int, quick: bool) -> tuple[Cluster, floa
                    description=f"this machine: {world} processes x {threads} thread(s), fp32 on CPU, gloo "
                                f"(measured by fxpar calibrate{' --quick' if quick else ''}, all processes at once)")
     samples = []
-    for size, seconds in raw["layers"]:
+    for size, layer_seconds in raw["layers"]:
         b, s, h, a, t = map(round, size)
-        samples.append((ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, t, seconds))
+        samples.append((ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=1, batch=b), b, t, layer_seconds))
     return fit_compute(samples, base)
 
 
