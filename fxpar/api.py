@@ -1,51 +1,38 @@
-"""Public API: parallelize(model, mesh, example_args) and its checks."""
+"""Public API: parallelize(model, mesh, example_args), its input checks, and the executable it returns.
+
+`parallelize` checks its arguments (the one place user input is validated), runs the compiler
+(fxpar/compiler.py: every stage, in one list) and wraps the compiled record in the rank's executable.
+"""
 from __future__ import annotations
 
 import warnings
 
 import torch.nn as nn
 
-from fxpar.compiler import compile_tp
+from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
 from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
-from fxpar.passes.fusion import compile_graph
-from fxpar.pipeline import PipelineModule
 from fxpar.passes.ops import TPComm
 from fxpar.passes.plan import make_plan
-from fxpar.trace import trace
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from fxpar.pipeline import PipelineModule
 
 
 def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
-          mesh=None, config: Config | None = None, loss_fn=None) -> ParallelModule:
-    """Trace, analyze, rewrite and shard `model` for the rank described by `comm`.
+          mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1) -> ParallelModule:
+    """Compile `model` for the rank described by `comm` and return its executable.
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
-    and no mesh is needed (a simulated rank when comm has no group)."""
-    config = config or Config()
-    traced = trace(model, example_args, example_kwargs)
-    compiled = compile_tp(traced, comm, config, dict(model.named_buffers(remove_duplicate=False)))
-    blocked = [r for r in compiled.analysis.regions if r.indivisible and not r.columns]
-    if blocked:
-        r = blocked[0]
-        raise ValueError(
-            f"fxpar: cannot split {len(blocked)} region(s) over t={comm.size}. First: module {r.module or '<root>'}, "
-            f"GEMMs {', '.join(r.replicated)}: {r.reason}.\n"
-            "Fix: choose a tensor-parallel degree that divides the heads and hidden sizes."
-        )
-    if loss_fn is not None:
-        pm = PipelineModule(model, compiled, comm, mesh, config, loss_fn)
+    and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
+    mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule."""
+    pipelined = loss_fn is not None or pp > 1
+    pp = mesh.size(0) if mesh is not None else pp
+    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined), config)
+    if loss_fn is not None and mesh is not None:
+        pm = PipelineModule(model, compiled, mesh, loss_fn)
     else:
-        pm = ParallelModule(model, traced, compiled.gm, compiled.specs, comm)
-    pm.__dict__["compiled"] = compiled
-    if config.compile:  # after the passes: torch.compile's wrapper is not a GraphModule
-        pm.compile_graphs(compile_graph)
-    partition = getattr(pm, "partition", None)
-    pp = pm.groups.pp if partition is not None else 1
+        pm = ParallelModule(model, compiled)
+    partition = compiled.partition if pipelined else None
     pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)), partition, pp)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
@@ -70,6 +57,8 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         raise TypeError(f"fxpar.parallelize: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(example_args, tuple):
         raise TypeError(f"fxpar.parallelize: example_args must be a tuple, got {type(example_args).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"fxpar.parallelize: example_kwargs must be a dict, got {type(example_kwargs).__name__}")
     if mesh is not None:
         check_mesh(mesh)
     if kw:
@@ -84,5 +73,6 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         )
     if loss_fn is not None and mesh is None:
         raise ValueError("fxpar.parallelize: loss_fn (training with step()) needs a mesh from fxpar.init_mesh")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"fxpar.parallelize: loss_fn must be callable, got {type(loss_fn).__name__}")
     return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn)
-

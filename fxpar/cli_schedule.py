@@ -4,7 +4,8 @@
     fxpar schedule --pp 4 --microbatches 8 --schedule 1f1b --json
     fxpar schedule --pp 4 --microbatches 8 --png timeline.png
 
-Needs no torch: it only uses fxpar.passes.schedules / lower_schedule / simulate. The PNG is written by a tiny
+Needs no torch: it only uses fxpar.passes.schedules / lower_schedule / proofs / simulate. The lowered program is
+checked by the same proof the compiler runs before every pipelined step (passes/proofs.py). The PNG is written by a tiny
 pure-Python encoder (filled rectangles, one color per microbatch, lighter for backward): no matplotlib.
 """
 from __future__ import annotations
@@ -17,9 +18,11 @@ import sys
 import zlib
 from fractions import Fraction
 
-from fxpar.passes.lower_schedule import check_p2p_matching, lower
-from fxpar.passes.schedules import SCHEDULE_KINDS, build_schedule, format_schedule
-from fxpar.passes.simulate import SimResult, check_deadlock_free, format_result, simulate
+from fxpar.cost.pipeline import SCHEDULES
+from fxpar.passes.lower_schedule import lower_program
+from fxpar.passes.proofs import prove
+from fxpar.passes.schedules import build_schedule, format_schedule
+from fxpar.passes.simulate import SimResult, format_result, simulate
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +31,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank v (interleaved-1f1b, gpipe)")
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step m")
-    parser.add_argument("--schedule", choices=SCHEDULE_KINDS, default="1f1b",
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                         help="pipeline schedule (default 1f1b)")
     parser.add_argument("--forward-cost", type=Fraction, default=Fraction(1), help="stage forward time (default 1)")
     parser.add_argument("--backward-cost", type=Fraction, default=Fraction(2), help="stage backward time (default 2)")
@@ -42,9 +45,8 @@ def handle_schedule(args: argparse.Namespace) -> int:
     try:
         p, v, m = args.pp, args.vpp, args.microbatches
         schedule = build_schedule(args.schedule, p, m, v)
-        lowered = lower(schedule, p, v)
-        check_p2p_matching(lowered)
-        check_deadlock_free(lowered)
+        program = lower_program(schedule, p, v, m)
+        prove(program)
         result = simulate(schedule, {"F": args.forward_cost, "B": args.backward_cost})
     except ValueError as e:
         print(f"fxpar schedule: error: {e}", file=sys.stderr)
@@ -52,7 +54,7 @@ def handle_schedule(args: argparse.Namespace) -> int:
     if args.png:
         write_gantt_png(args.png, result)
     if args.json:
-        print(json.dumps(_as_json(args, result, schedule, lowered), indent=2))
+        print(json.dumps(_as_json(args, result, schedule, program.actions), indent=2))
     else:
         print(format_result(result))
     return 0

@@ -1,87 +1,204 @@
-"""The compiler driver: trace -> analysis -> the ordered rewrite passes -> a per-rank graph.
+"""The compiler driver: every stage of fxpar, in one ordered list.
 
-Reading PASSES tells the whole compiler. Each pass is `gm -> gm`; the driver logs it, checks a GraphModule came
-back, and re-raises any error with the pass's name and the passes that ran before it.
+Reading STAGES tells the whole compiler. Each stage is a named function of the Compiled record that returns one
+product, which the driver stores on the record under the stage's field; later stages read earlier products, and
+`parallelize`, `fxpar show`, `verify` and the executables only consume the finished record. The driver logs each
+stage, and re-raises any error with the stage's name and the stages that ran before it: bad input (ValueError,
+TraceError) keeps its type, anything else becomes a PassError.
+
+The traced program (`traced.gm`) is never rewritten: `canonicalize` makes the working copy (`gm`) that the graph
+passes rewrite in place, `keep_tp_graph` snapshots it for verify, and the partition copies the nodes of each chunk
+into graphs of its own. Stages hand each other typed metadata (passes/meta.py), never node names.
 """
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
+import torch.nn as nn
 from torch.fx import GraphModule
 
 from fxpar.config import Config
-from fxpar.passes.analysis import Analysis, analyze
-from fxpar.passes.fusion import fusion_pass, placeholder_values
+from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
+from fxpar.passes.fusion import fusion_pass
+from fxpar.passes.local_shapes import local_shapes_pass
+from fxpar.passes.lower_schedule import Program, lower_program
+from fxpar.passes.meta import param_nodes
 from fxpar.passes.ops import TPComm
+from fxpar.passes.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.placements import Shard
+from fxpar.passes.proofs import prove
 from fxpar.passes.recompute import recompute_pass
+from fxpar.passes.schedules import build_schedule
+from fxpar.passes.simulate import SimResult
 from fxpar.passes.tp import tensor_parallel_pass
 from fxpar.passes.vocab import vocab_analysis
-from fxpar.trace import Traced
+from fxpar.trace import TraceError, Traced, trace
 
 log = logging.getLogger("fxpar")
 
 
 class PassError(RuntimeError):
-    pass
+    """A stage failed on input it should have handled (a bug in fxpar); the message names the stage."""
 
 
-def _keep_graph(gm: GraphModule, into: dict) -> GraphModule:
-    """Not a rewrite: keeps a copy of the graph as it is now (sharing gm's submodules) and returns gm."""
-    into["graph"] = GraphModule(gm, copy.deepcopy(gm.graph))
-    return gm
+@dataclass
+class Target:
+    """Where the program runs: this rank of its tensor-parallel group, and the pipeline around it."""
 
-
-def passes_for(analysis: Analysis, comm: TPComm, config: Config, values: dict, kept: dict) -> list:
-    """The rewrite passes, in order. (Partition into pipeline chunks follows, in fxpar/pipeline.py.)"""
-    passes = [
-        ("tensor_parallel", functools.partial(tensor_parallel_pass, analysis=analysis, comm=comm)),
-        ("keep_tp_graph", functools.partial(_keep_graph, into=kept)),  # what verify compares node by node
-    ]
-    if config.fuse:
-        passes.append(("fuse", functools.partial(fusion_pass, values=values)))
-    passes.append(("recompute", functools.partial(recompute_pass, mode=config.recompute)))
-    return passes
-
-
-def run_passes(gm: GraphModule, passes) -> GraphModule:
-    done = []
-    for name, fn in passes:
-        log.debug("fxpar pass %s", name)
-        try:
-            out = fn(gm)
-        except Exception as e:
-            raise PassError(f"fxpar pass {name!r} failed (after {done or 'no passes'}): {e}") from e
-        if not isinstance(out, GraphModule):
-            raise PassError(f"fxpar pass {name!r} returned {type(out).__name__}, not a GraphModule")
-        gm = out
-        done.append(name)
-    return gm
+    comm: TPComm  # rank and size of the tp group (group=None simulates the rank: shapes only)
+    pp: int = 1  # pipeline ranks
+    pipelined: bool = False  # trained with step() over a pipeline schedule (a loss_fn was given)
 
 
 @dataclass
 class Compiled:
-    traced: Traced
-    reference: GraphModule  # the traced graph before any rewrite (for verify)
-    gm: GraphModule
-    analysis: Analysis
-    specs: dict[str, Shard]  # state_dict key -> how it is sharded
-    tp_graph: GraphModule  # the graph right after the tensor-parallel pass (for verify)
+    """Everything the compiler made for one rank, product by product (see STAGES)."""
+
+    model: nn.Module
+    example_args: tuple
+    example_kwargs: dict
+    target: Target
+    config: Config
+    traced: Traced | None = None  # trace: the unmodified program, the reference
+    gm: GraphModule | None = None  # the working graph, as the graph passes leave it
+    analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
+    tp_graph: GraphModule | None = None  # keep_tp_graph: the graph right after tensor parallelism (for verify)
+    partition: Partition | None = None  # the chunks (one chunk, the whole graph, without a pipeline)
+    schedule: dict | None = None  # the compute schedule of every pp rank (pipelined only)
+    program: Program | None = None  # the lowered schedule the runtime runs (pipelined only)
+    proof: SimResult | None = None  # the replay that proved the program (pipelined only)
+    callables: dict[int, Callable] | None = None  # chunk index -> what runs it (compiled with Config.compile)
+    done: list[str] = field(default_factory=list)
+
+    @property
+    def specs(self) -> dict[str, Shard]:
+        """state_dict key -> how this weight is sharded over tp (absent: replicated)."""
+        return weight_specs(self.analysis)
 
 
-def compile_tp(traced: Traced, comm: TPComm, config: Config, buffers: dict) -> Compiled:
-    """Analyze and rewrite `traced` for this rank's tensor-parallel group.
+# ---------------------------------------------------------------------------------------------------- the stages
+def _trace(c: Compiled) -> Traced:
+    return trace(c.model, c.example_args, c.example_kwargs)
 
-    buffers: the model's buffers by key; the fusion pass reads their values to prove a mask causal."""
-    reference = copy.deepcopy(traced.gm)
-    params = traced.param_nodes()
-    analysis = vocab_analysis(traced.gm, analyze(traced.gm, comm.size, params), params)
-    key_of = {name: key for name, _, key in traced.inputs}
-    specs = {key_of[n.name]: s for n, s in analysis.param_specs.items()}
-    values = placeholder_values(traced.inputs, buffers, traced.constants)
-    kept: dict = {}
-    gm = run_passes(traced.gm, passes_for(analysis, comm, config, values, kept))
-    return Compiled(traced, reference, gm, analysis, specs, kept["graph"])
+
+def _canonicalize(c: Compiled) -> GraphModule:
+    """The working copy of the traced program (its nodes keep their names and metadata)."""
+    return GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
+
+
+def _analyze(c: Compiled) -> Analysis:
+    params = param_nodes(c.gm)
+    analysis = vocab_analysis(c.gm, analyze(c.gm, c.target.comm.size, params), params)
+    check_divisible(analysis)
+    return analysis
+
+
+def _tensor_parallel(c: Compiled) -> GraphModule:
+    return tensor_parallel_pass(c.gm, c.analysis, c.target.comm)
+
+
+def _local_shapes(c: Compiled) -> GraphModule:
+    return local_shapes_pass(c.gm, c.specs, c.target.comm.size) if c.analysis.decisions else c.gm
+
+
+def _keep_tp_graph(c: Compiled) -> GraphModule:
+    return GraphModule(c.gm, copy.deepcopy(c.gm.graph), class_name="TensorParallel")
+
+
+def _fuse(c: Compiled) -> GraphModule:
+    if not c.config.fuse:
+        return c.gm
+    state = dict(c.model.named_buffers(remove_duplicate=False))
+    return fusion_pass(c.gm, c.traced.values(state))
+
+
+def _recompute(c: Compiled) -> GraphModule:
+    return recompute_pass(c.gm, c.config.recompute)
+
+
+def _partition(c: Compiled) -> Partition:
+    if not c.target.pipelined:
+        return whole_graph(c.gm)
+    return partition_pass(c.gm, c.target.pp * c.config.virtual_stages)
+
+
+def _schedule(c: Compiled) -> dict | None:
+    if not c.target.pipelined:
+        return None
+    return build_schedule(c.config.schedule, c.target.pp, c.config.microbatches, c.config.virtual_stages)
+
+
+def _lower(c: Compiled) -> Program | None:
+    if c.schedule is None:
+        return None
+    return lower_program(c.schedule, c.target.pp, c.config.virtual_stages, c.config.microbatches)
+
+
+def _prove(c: Compiled) -> SimResult | None:
+    return None if c.program is None else prove(c.program, c.partition.chunks)
+
+
+def _compile(c: Compiled) -> dict[int, Callable]:
+    return {chunk.index: compile_graph(chunk.gm) if c.config.compile else chunk.gm for chunk in c.partition.chunks}
+
+
+def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
+    """torch.compile(gm) (Config.compile, off by default): one compiled callable per graph chunk.
+
+    Safe: torch.compile preserves semantics; the fused autograd Functions and checkpointed regions trace through
+    dynamo. `backend="aot_eager"` skips code generation (tests)."""
+    return torch.compile(gm, backend=backend, **options)
+
+
+STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
+    # name             product        what it does
+    ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
+    ("canonicalize", "gm", _canonicalize),  # the working copy the graph passes rewrite
+    ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
+    ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
+    ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
+    ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
+    ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, bias+GeLU (Config.fuse)
+    ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
+    ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
+    ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
+    ("lower", "program", _lower),  # sends, early-posted receives, message tags
+    ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/proofs.py)
+    ("compile", "callables", _compile),  # torch.compile each chunk (Config.compile), else the chunk graphs
+)
+
+
+def run_stages(c: Compiled, stages=STAGES) -> Compiled:
+    """Run `stages` in order on the record; see the module docstring for the error contract."""
+    for name, product, fn in stages:
+        start = time.perf_counter()
+        try:
+            setattr(c, product, fn(c))
+        except (ValueError, TraceError) as e:
+            raise _same_kind(e, f"{e}\n(in fxpar compiler stage {name!r}, after {', '.join(c.done) or 'none'})") from e
+        except Exception as e:
+            raise PassError(f"fxpar compiler stage {name!r} failed (after {', '.join(c.done) or 'none'}): "
+                            f"{type(e).__name__}: {e}") from e
+        c.done.append(name)
+        log.debug("fxpar stage %s: %.3f s", name, time.perf_counter() - start)
+    return c
+
+
+def _same_kind(e: Exception, message: str) -> Exception:
+    """An exception of e's type with a new message (plain ValueError when its type takes other arguments)."""
+    try:
+        return type(e)(message)
+    except TypeError:
+        return ValueError(message)
+
+
+def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | None, target: Target,
+                  config: Config | None = None) -> Compiled:
+    """Compile `model` for one rank: every stage of STAGES. The model itself is not modified."""
+    c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config())
+    return run_stages(c)

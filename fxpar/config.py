@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE = ("none", "selective", "full")
+from fxpar.cost.flops import RECOMPUTE_MODES
+from fxpar.cost.pipeline import SCHEDULES, check_schedule
 
 
 @dataclass(frozen=True)
 class Config:
     microbatches: int = 1  # m: microbatches per pipeline flush
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # one of cost.pipeline.SCHEDULES; which (p, m, v) it runs: cost.pipeline.check_schedule
     scatter_gather: bool = True  # send 1/t of each boundary activation, all-gather on arrival
     fuse: bool = True  # fusion passes (bias+GeLU, bias+dropout+add, explicit attention -> SDPA)
     recompute: str = "none"
@@ -26,7 +26,11 @@ class Config:
             raise ValueError(f"Config.virtual_stages must be a positive int, got {self.virtual_stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"Config.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        try:  # what can be told without the mesh (the compiler checks again with the real pp)
+            check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"Config: {e}") from None
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.bucket_mb <= 0:
             raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")

@@ -1,13 +1,14 @@
 """Read a GPT's shape (l, h, a, s, V) from a model traced on the meta device, for `fxpar plan TARGET`.
 
 TARGET is `path/to/file.py:factory` or `package.module:factory`; `factory()` returns
-`(model, example_args)`. It is called under `with torch.device("meta"):`, so no weights are allocated
-(a 175B model traces in a few hundred MB), then traced with `torch.export.export(..., strict=False)`.
+`(model, example_args[, example_kwargs])`, as for `fxpar show`. It is called under `with torch.device("meta"):`,
+so no weights are allocated (a 175B model traces in a few hundred MB), then traced with
+`torch.export.export(..., strict=False)`.
 
 Glossary: l layers, h hidden, a heads, s sequence, V vocabulary, f feed-forward hidden.
 Where each number comes from in the graph:
-  l     the module path prefix repeated with the most distinct integer indices in `nn_module_stack`
-        ("blocks.0", "blocks.1", ... -> prefix "blocks", l = number of indices)
+  l     the entries of the main block of passes/layers.py (the ModuleList of transformer layers, from
+        `nn_module_stack`: "blocks.0", "blocks.1", ... -> block "blocks", l = number of entries)
   V, h  the weight [V, h] of the token embedding: the `aten.embedding` whose indices are a graph input
         (else the embedding with the most rows)
   s     the last dimension of those indices
@@ -17,12 +18,11 @@ Where each number comes from in the graph:
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fxpar.cost.shape import ModelShape
-from fxpar.target import load_factory
+from fxpar.passes.layers import find_layers
+from fxpar.target import load_factory, unpack_target
 
 NN_MODULE_STACK = "nn_module_stack"
 
@@ -30,12 +30,8 @@ NN_MODULE_STACK = "nn_module_stack"
 def trace_on_meta(factory) -> torch.export.ExportedProgram:
     """Build `factory()` on the meta device and export it (non-strict); no weight memory is allocated."""
     with torch.device("meta"):
-        built = factory()
-        if not (isinstance(built, tuple) and len(built) == 2):
-            raise ValueError(f"factory must return (model, example_args), got {type(built).__name__}")
-        model, example_args = built
-        example_args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
-        return torch.export.export(model, example_args, strict=False)
+        model, example_args, example_kwargs = unpack_target(factory(), "factory")
+        return torch.export.export(model, example_args, example_kwargs, strict=False)
 
 
 def _shape_of(node) -> tuple[int, ...] | None:
@@ -44,18 +40,12 @@ def _shape_of(node) -> tuple[int, ...] | None:
 
 
 def count_layers(graph: torch.fx.Graph) -> tuple[int, str]:
-    """(l, prefix): the module path prefix with the most distinct integer indices, e.g. (96, "blocks")."""
-    indices: dict[str, set[int]] = {}
-    for node in graph.nodes:
-        for path, _ in node.meta.get(NN_MODULE_STACK, {}).values():
-            for match in re.finditer(r"(?:^|\.)(\d+)(?=\.|$)", path):
-                prefix = path[:match.start()]
-                indices.setdefault(prefix, set()).add(int(match.group(1)))
-    if not indices:
-        raise ValueError("no repeated layers found: nn_module_stack has no '<prefix>.<index>' module paths; "
+    """(l, block path): the entries of the graph's main block, e.g. (96, "blocks")."""
+    main = find_layers(graph).main
+    if main is None:
+        raise ValueError("no repeated layers found: nn_module_stack has no '<block>.<index>' module paths; "
                          "pass --layers")
-    prefix = max(indices, key=lambda k: (len(indices[k]), -len(k)))
-    return len(indices[prefix]), prefix
+    return main.count, main.path
 
 
 def token_embedding(graph: torch.fx.Graph) -> tuple[int, int, int]:

@@ -1,10 +1,14 @@
 """The pipeline runtime: interprets one rank's lowered action list, one handler per action kind.
 
-    F / B            run a chunk's forward, or its backward for one microbatch
-    SEND_* / RECV_*  point-to-point over torch.distributed: sends are non-blocking (isend, waited at the flush),
-                     receives block where the list puts them; the lowering proved the order deadlock-free.
-With scatter/gather each tp rank sends only its 1/t of a boundary tensor and the receiver all-gathers it inside
-its tp group (Narayanan et al. 2021, Sec. 4.1), so the bytes between stages drop by t.
+    RECV_*   post a non-blocking irecv for a chunk's inputs (the lowering put it right after the rank's previous send)
+    F / B    wait for the inputs the RECV posted (or take them from a chunk on this rank), then run a chunk's
+             forward, or its backward for one microbatch
+    SEND_*   a non-blocking isend of a chunk's outputs (or input gradients); all are waited for at the flush
+These are exactly the semantics the compiler's proof replays ([Note: p2p semantics] in passes/lower_schedule.py),
+and messages carry the tags of the same Program, so the program that was proven deadlock-free is the one that runs.
+With scatter/gather each tp rank sends only its 1/t of a replicated boundary tensor and the receiver all-gathers it
+inside its tp group (Narayanan et al. 2021, Sec. 4.1), so the bytes between stages drop by t; a sharded boundary
+value goes from tp rank i to tp rank i whole ([Note: boundaries carry placements]).
 Data-parallel gradients go in buckets: a parameter joins a bucket when its last microbatch's backward on this rank
 is done, and a full bucket is all-reduced at once, asynchronously, while the rest of the flush runs.
 """
@@ -18,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fxpar.passes.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F
+from fxpar.passes.lower_schedule import Program
+from fxpar.passes.placements import Replicate
+from fxpar.passes.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, rank_of_chunk
 
 
 @dataclass
@@ -35,6 +41,7 @@ class Groups:
     tp_group: object = None
     dp_group: object = None
     pp_group: object = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 @dataclass
@@ -46,40 +53,42 @@ class Stats:
 
 
 class P2P:
-    """Boundary tensors between stages, with optional scatter/gather over the tp group."""
+    """Boundary tensors between stages, tagged by the Program, with scatter/gather of replicated values over tp."""
 
-    def __init__(self, groups: Groups, scatter_gather: bool, stats: Stats):
-        self.g, self.sg, self.stats = groups, scatter_gather and groups.tp > 1, stats
-        self.pending, self.posted = [], {}  # isends to wait for at the flush; irecvs posted ahead of their action
+    def __init__(self, groups: Groups, program: Program, scatter_gather: bool, stats: Stats):
+        self.g, self.program, self.stats = groups, program, stats
+        self.sg = scatter_gather and groups.tp > 1
+        self.pending, self.posted = [], {}  # isends to wait for at the flush; message -> posted irecvs
 
-    def _tag(self, a) -> int:
-        return (a.microbatch * 4096 + a.message()[2]) * 2 + (a.kind in (SEND_B, RECV_B))
+    def _split(self, value, numel: int) -> bool:
+        """Send only this tp rank's 1/t: for replicated values whose size t divides (the same rule on both ends)."""
+        return self.sg and isinstance(value.placement, Replicate) and numel % self.g.tp == 0
 
-    def send(self, a, tensors: list[torch.Tensor]) -> None:
+    def send(self, a, tensors: list[torch.Tensor], values) -> None:
         dst, sent = self.g.global_rank_of_stage[a.peer], 0
-        for x in tensors:
+        for x, value in zip(tensors, values):
             flat = x.detach().contiguous().view(-1)
-            if self.sg and flat.numel() % self.g.tp == 0:
+            if self._split(value, flat.numel()):
                 flat = flat.chunk(self.g.tp)[self.g.tp_rank].clone()
-            self.pending.append((dist.isend(flat, dst=dst, tag=self._tag(a)), a))
+            self.pending.append((dist.isend(flat, dst=dst, tag=self.program.tag(a)), a))
             sent += flat.numel() * flat.element_size()
         self.stats.bytes_sent[(a.chunk, a.microbatch, a.kind[-1])] = sent
 
-    def post(self, a, specs: list[tuple]) -> None:
-        """Post the receive of action `a` now (non-blocking); recv(a) waits for it where the schedule needs it."""
+    def post(self, a, values) -> None:
+        """Post the receives of action `a` (non-blocking); the compute action that needs them waits in `take`."""
         src, posted = self.g.global_rank_of_stage[a.peer], []
-        for shape, dtype in specs:
-            numel = int(torch.Size(shape).numel())
-            split = self.sg and numel % self.g.tp == 0
-            buf = torch.empty(numel // self.g.tp if split else numel, dtype=dtype)
-            posted.append((dist.irecv(buf, src=src, tag=self._tag(a)), buf, shape, split))
-        self.posted[a] = posted
+        for value in values:
+            numel = int(torch.Size(value.shape).numel())
+            split = self._split(value, numel)
+            buf = torch.empty(numel // self.g.tp if split else numel, dtype=value.dtype, device=self.g.device)
+            posted.append((dist.irecv(buf, src=src, tag=self.program.tag(a)), buf, value.shape, split))
+        self.posted[a.message()] = (a, posted)
 
-    def recv(self, a, specs: list[tuple]) -> list[torch.Tensor]:
-        if a not in self.posted:
-            self.post(a, specs)
+    def take(self, message: tuple) -> list[torch.Tensor]:
+        """Wait for the receives of `message` (posted by its RECV) and return the full tensors."""
+        a, posted = self.posted.pop(message)
         out = []
-        for work, buf, shape, split in self.posted.pop(a):
+        for work, buf, shape, split in posted:
             _wait(work, a, self.g.global_rank_of_stage[a.peer])
             if split:
                 parts = [torch.empty_like(buf) for _ in range(self.g.tp)]
@@ -92,6 +101,8 @@ class P2P:
         for work, a in self.pending:
             _wait(work, a, self.g.global_rank_of_stage[a.peer])
         self.pending.clear()
+        if self.posted:
+            raise RuntimeError(f"fxpar pipeline: receives posted but never used: {sorted(self.posted)}")
 
 
 def _wait(work, action, peer: int) -> None:
@@ -155,49 +166,39 @@ class GradBuckets:
 class Runtime:
     """Runs a lowered schedule for one pipeline rank; see the module docstring."""
 
-    def __init__(self, stage, actions, groups: Groups, p2p: P2P, buckets: GradBuckets, stats: Stats):
-        self.stage, self.actions, self.g = stage, actions, groups
+    def __init__(self, stage, program: Program, groups: Groups, p2p: P2P, buckets: GradBuckets, stats: Stats):
+        self.stage, self.actions, self.g = stage, program.actions[groups.pp_rank], groups
         self.p2p, self.buckets, self.stats = p2p, buckets, stats
-        self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.recv_forward,
-                         SEND_B: self.send_backward, RECV_B: self.recv_backward}
+        self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.post_receive,
+                         SEND_B: self.send_backward, RECV_B: self.post_receive}
 
     def run(self, microbatches: list, targets: list) -> torch.Tensor:
         self.inputs, self.targets, self.m = microbatches, targets, len(microbatches)
-        self.recv_act, self.recv_grad, self.saved, self.grads_in = {}, {}, {}, {}
-        self.loss = torch.zeros(())
-        early = self._early_receives()
-        for i, a in enumerate(self.actions):
+        self.saved, self.grads_in, self.handoff = {}, {}, {}
+        self.loss = torch.zeros((), device=self.g.device)
+        for a in self.actions:
             start = time.perf_counter()
-            for r in early.get(i, ()):
-                self.p2p.post(r, self._recv_specs(r))
             self.handlers[a.kind](a)
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.saved))
             self.stats.events.append((str(a), start, time.perf_counter() - start))
         self.p2p.flush()
         self.buckets.finish()
+        assert not self.handoff and not self.saved, (sorted(self.handoff), sorted(self.saved))
         return self.loss
 
-    def _early_receives(self) -> dict[int, list]:
-        """Each receive is posted right after the rank's previous send (as torch.distributed.pipelining does), so a
-        peer's send need not wait for this rank's compute before the receive exists; it is still waited for at its
-        own place in the list. Posting early cannot deadlock: irecv does not block."""
-        early, last_send = {}, 0
-        for i, a in enumerate(self.actions):
-            if a.kind in (SEND_F, SEND_B):
-                last_send = i + 1
-            elif a.kind in (RECV_F, RECV_B) and last_send < i:
-                early.setdefault(last_send, []).append(a)
-        return early
-
-    def _recv_specs(self, a) -> list[tuple]:
-        chunk = self.stage.chunks[a.chunk]
-        if a.kind == RECV_F:
-            return self.stage.boundary_specs(chunk.boundary_in)
-        return [s for s in self.stage.boundary_specs(chunk.boundary_out) if s[1].is_floating_point]
+    def _inputs(self, message: tuple) -> list[torch.Tensor]:
+        """The tensors a compute action consumes: from a chunk on this rank, or through the p2p receive."""
+        producer = message[1]
+        if rank_of_chunk(producer, self.g.pp) == self.g.pp_rank:
+            return self.handoff.pop(message)
+        return self.p2p.take(message)
 
     def forward(self, a) -> None:
         chunk = self.stage.chunks[a.chunk]
-        received = self.recv_act.pop((a.chunk, a.microbatch), [])
+        received = []
+        if chunk.boundary_in:
+            xs = self._inputs((F, a.chunk - 1, a.chunk, a.microbatch))
+            received = [x.detach().requires_grad_() if x.is_floating_point() else x for x in xs]
         bytes_ = [0]
 
         def pack(t):
@@ -211,34 +212,40 @@ class Runtime:
             loss = self.stage.loss(outs, self.targets[a.microbatch]) / self.m
             self.loss = self.loss + loss.detach()
             outs = [loss]
+        elif rank_of_chunk(a.chunk + 1, self.g.pp) == self.g.pp_rank:
+            self.handoff[(F, a.chunk, a.chunk + 1, a.microbatch)] = outs
         self.saved[(a.chunk, a.microbatch)] = (received, outs)
 
     def backward(self, a) -> None:
         received, outs = self.saved.pop((a.chunk, a.microbatch))
-        grads = self.recv_grad.pop((a.chunk, a.microbatch), None)
+        chunk = self.stage.chunks[a.chunk]
+        grads = self._inputs((B, a.chunk + 1, a.chunk, a.microbatch)) if chunk.boundary_out else None
         outs = [o for o in outs if o.is_floating_point()]  # only these have gradients to receive
         pairs = [(o, g) for o, g in zip(outs, grads or [None] * len(outs)) if o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs] if grads else None)
-        self.grads_in[(a.chunk, a.microbatch)] = [
-            x.grad if x.grad is not None else torch.zeros_like(x) for x in received if x.is_floating_point()
-        ]
+        grads_in = [x.grad if x.grad is not None else torch.zeros_like(x) for x in received if x.is_floating_point()]
+        if chunk.boundary_in and rank_of_chunk(a.chunk - 1, self.g.pp) == self.g.pp_rank:
+            self.handoff[(B, a.chunk, a.chunk - 1, a.microbatch)] = grads_in
+        elif chunk.boundary_in:
+            self.grads_in[(a.chunk, a.microbatch)] = grads_in
         if a.microbatch == self.m - 1:
             self.buckets.chunk_done(a.chunk)
 
     def send_forward(self, a) -> None:
         _, outs = self.saved[(a.chunk, a.microbatch)]
-        self.p2p.send(a, outs)
-
-    def recv_forward(self, a) -> None:
-        xs = self.p2p.recv(a, self._recv_specs(a))
-        self.recv_act[(a.chunk, a.microbatch)] = [x.requires_grad_() if x.is_floating_point() else x for x in xs]
+        self.p2p.send(a, outs, self.stage.chunks[a.chunk].boundary_out)
 
     def send_backward(self, a) -> None:
-        self.p2p.send(a, self.grads_in.pop((a.chunk, a.microbatch)))
+        values = [v for v in self.stage.chunks[a.chunk].boundary_in if v.differentiable]
+        self.p2p.send(a, self.grads_in.pop((a.chunk, a.microbatch)), values)
 
-    def recv_backward(self, a) -> None:
-        self.recv_grad[(a.chunk, a.microbatch)] = self.p2p.recv(a, self._recv_specs(a))
+    def post_receive(self, a) -> None:
+        if a.kind == RECV_F:
+            values = self.stage.chunks[a.chunk].boundary_in
+        else:
+            values = [v for v in self.stage.chunks[a.chunk].boundary_out if v.differentiable]
+        self.p2p.post(a, values)
 
 
 def write_chrome_trace(path: str, stats: Stats, rank: int) -> None:

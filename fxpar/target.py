@@ -30,11 +30,17 @@ def load_factory(spec: str):
     return factory
 
 
+def unpack_target(out, spec: str):
+    """(model, example_args, example_kwargs) from what a factory returned: a 2- or 3-tuple."""
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise ValueError(f"target {spec!r}: factory must return (model, example_args[, example_kwargs]), "
+                         f"got {type(out).__name__}")
+    model, args = out[0], out[1]
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = out[2] if len(out) == 3 else {}
+    return model, args, dict(kwargs or {})
+
+
 def load_target(spec: str):
     """(model, example_args, example_kwargs) from a target spec."""
-    out = load_factory(spec)()
-    if not isinstance(out, tuple) or len(out) not in (2, 3):
-        raise ValueError(f"target {spec!r}: factory must return (model, example_args[, example_kwargs])")
-    model, args = out[0], out[1]
-    kwargs = out[2] if len(out) == 3 else {}
-    return model, tuple(args), dict(kwargs or {})
+    return unpack_target(load_factory(spec)(), spec)

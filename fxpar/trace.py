@@ -1,56 +1,81 @@
 """Frontend: trace an unmodified model with torch.export (non-strict) into an ATen-level fx graph.
 
 The traced graph takes its parameters, buffers and lifted constants as placeholders, followed by the flattened user
-inputs; `Traced` records which placeholder is which, under the model's own state_dict names.
+inputs. Every placeholder is stamped with the GraphInput it stands for (passes/meta.py), under the model's own
+state_dict names, and every node with its own name as FXPAR_ORIGIN, so rewritten copies still say which value of the
+traced program they compute. The traced graph itself is never rewritten: the compiler works on a copy, and verify
+runs this one as the reference.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-USER_INPUT = "fxpar_user_input"  # node.meta key: this placeholder is a user input
+from fxpar.passes.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput,
+                               resolve_inputs)
 
 
 class TraceError(RuntimeError):
     pass
 
 
+_KINDS = {InputKind.PARAMETER: PARAMETER, InputKind.BUFFER: BUFFER, InputKind.CONSTANT_TENSOR: CONSTANT,
+          InputKind.USER_INPUT: USER}
+
+
 @dataclass
 class Traced:
-    gm: GraphModule
-    inputs: list[tuple[str, str, str]]  # per placeholder: (placeholder name, kind, state_dict key or "")
+    gm: GraphModule  # the traced program, never rewritten
+    inputs: tuple[GraphInput, ...]  # one per placeholder, in call order
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     example_inputs: list  # flattened user inputs of the example
     constants: dict
+    model_name: str = ""
 
-    def placeholders(self) -> dict[str, Node]:
-        return {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
+    def flatten_call(self, args, kwargs, where: str = "fxpar") -> list:
+        """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
+        flat, spec = pytree.tree_flatten((tuple(args), kwargs or {}))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"{where}: the call's arguments have a different structure than the traced example.\n"
+                f"  traced: {self.in_spec}\n  called: {spec}\nFix: call with the same arguments as example_args/"
+                "example_kwargs, or parallelize again with a matching example."
+            )
+        self.check_shapes(flat, where)
+        return flat
 
-    def param_nodes(self) -> set[Node]:
-        ph = self.placeholders()
-        return {ph[name] for name, kind, _ in self.inputs if kind == "parameter"}
+    def check_shapes(self, flat: list, where: str = "fxpar", rows: str = "") -> None:
+        """Raise ValueError unless every tensor input has the traced example's shape. `rows` adds a hint."""
+        for i, (got, want) in enumerate(zip(flat, self.example_inputs)):
+            if isinstance(want, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.shape != want.shape):
+                got_shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+                raise ValueError(
+                    f"{where}: input {i} has shape {got_shape}, but the model was traced with {tuple(want.shape)}. "
+                    "The parallel graph is specialized to the example's shapes (its view sizes are constants).\n"
+                    f"Fix: pass inputs of shape {tuple(want.shape)}{rows}, or call fxpar.parallelize again with an "
+                    "example of the new shape."
+                )
 
-
-_KINDS = {
-    InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant",
-    InputKind.USER_INPUT: "user", InputKind.CUSTOM_OBJ: "custom", InputKind.TOKEN: "token",
-}
+    def values(self, state: dict) -> dict[GraphInput, torch.Tensor]:
+        """Concrete tensors of the buffer and constant inputs (what the fusion pass may evaluate at compile time)."""
+        kept = [gi for gi in self.inputs if gi.kind in (BUFFER, CONSTANT) and (gi.kind == CONSTANT or gi.key in state)]
+        return dict(zip(kept, resolve_inputs(kept, state, self.constants)))
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced."""
     kwargs = kwargs or {}
+    name = type(model).__name__
     try:
         ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # export raises many types; show its reason whole
         raise TraceError(
-            f"fxpar could not trace {type(model).__name__} with torch.export (non-strict). export said:\n"
+            f"fxpar could not trace {name} with torch.export (non-strict). export said:\n"
             f"  {type(e).__name__}: {e}\n"
             "Fix: make the forward traceable (no data-dependent Python control flow on tensor values); for Hugging "
             "Face causal LMs pass use_cache=False."
@@ -59,19 +84,21 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     for out in sig.output_specs:
         if out.kind != OutputKind.USER_OUTPUT:
             raise TraceError(
-                f"{type(model).__name__}.forward mutates state ({out.kind.name} of {out.target}); fxpar supports "
-                "forwards that only read their parameters and buffers."
+                f"{name}.forward mutates state ({out.kind.name} of {out.target}); fxpar supports forwards that only "
+                "read their parameters and buffers."
             )
-    inputs = []
+    inputs, users = [], 0
     for spec in sig.input_specs:
+        if spec.kind not in _KINDS:
+            raise TraceError(f"{name}: unsupported graph input {spec.arg.name} of kind {spec.kind.name}")
         kind = _KINDS[spec.kind]
-        if kind in ("custom", "token"):
-            raise TraceError(f"unsupported graph input {spec.arg.name} of kind {kind}")
-        inputs.append((spec.arg.name, kind, spec.target or ""))
-    gm = copy.deepcopy(ep.graph_module)
-    names = {name for name, kind, _ in inputs if kind == "user"}
+        inputs.append(GraphInput(kind, index=users) if kind == USER else GraphInput(kind, spec.target))
+        users += kind == USER
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, gi in zip(placeholders, inputs):
+        n.meta[FXPAR_INPUT] = gi
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name in names:
-            n.meta[USER_INPUT] = True
+        n.meta[FXPAR_ORIGIN] = n.name
     flat, in_spec = pytree.tree_flatten((tuple(args), kwargs))
-    return Traced(gm, inputs, in_spec, ep.call_spec.out_spec, flat, dict(ep.constants))
+    return Traced(gm, tuple(inputs), in_spec, ep.call_spec.out_spec, flat, dict(ep.constants), name)

@@ -1,9 +1,11 @@
 """verify(model, pm, example_args): run the original and the parallel graph side by side, node by node.
 
-Every node the tensor-parallel rewrite kept has a placement; this rank's value must equal the matching block of the
-original's value (Shard), or all of it (Replicate). Row-parallel GEMM outputs are partial sums and are checked after
-g, through their users. All tp ranks agree on the first diverging node and raise the same VerifyError. The passes after tensor
-parallelism (fusion, recompute) change nodes rather than placements: their result is checked on the outputs.
+Every node of the graph right after the tensor-parallel rewrite that computes a value of the traced program says
+which (meta[FXPAR_ORIGIN]) and how it is placed (meta[FXPAR_PLACEMENT]); this rank's value must equal the matching
+block of the original's value (Shard), or all of it (Replicate). Partial values (row-parallel GEMM outputs) are sums
+of all ranks' values and are checked after g, through their users. All tp ranks agree on the first diverging node
+and raise the same VerifyError. The passes after tensor parallelism (fusion, recompute) change nodes rather than
+placements: their result is checked on the outputs.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxpar.passes.analysis import module_path
-from fxpar.passes.placements import Shard, local_shard
+from fxpar.passes.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
+from fxpar.passes.placements import Partial, Shard, local_shard
 
 
 class VerifyError(AssertionError):
@@ -53,48 +56,40 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
     """Raise VerifyError at the first node whose value diverges beyond tol; returns the largest error seen."""
     compiled, comm = pm.compiled, pm.comm
     flat = pm.flatten_inputs(example_args, example_kwargs)
+    reference = compiled.traced.gm
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    ref_inputs = [
-        state[key] if kind in ("parameter", "buffer") else compiled.traced.constants[key] if kind == "constant"
-        else None for _, kind, key in compiled.traced.inputs
-    ]
-    it = iter(flat)
-    ref_inputs = [next(it) if x is None and kind == "user" else x
-                  for x, (_, kind, _) in zip(ref_inputs, compiled.traced.inputs)]
-    ref = _Recorder(compiled.reference)
-    ref_out = ref.run(*ref_inputs)
+    ref = _Recorder(reference)
+    ref_out = ref.run(*resolve_inputs(graph_inputs(reference), state, compiled.traced.constants, flat))
     par = _Recorder(compiled.tp_graph)  # after tensor parallelism, before the passes that rename and fuse
     par.run(*pm.graph_inputs(flat))
-    decisions = {n.name: d for n, d in compiled.analysis.decisions.items()}
-    placements = {n.name: p for n, p in compiled.analysis.placements.items()}
-    by_name = {n.name: n for n in compiled.reference.graph.nodes}
-    ok = len(by_name) + 1  # index meaning "no divergence"; len(by_name) stands for the final outputs
-    first, worst, detail = ok, 0.0, ""
-    for i, (name, want) in enumerate(ref.values.items()):
-        node = by_name[name]
-        d = decisions.get(name)
-        if node.op in ("placeholder", "output") or name not in par.values or (
-                d is not None and d.role is not None and d.role != "column"):
-            continue
-        placement = placements.get(name)
-        err = _max_err(par.values[name], _expected(want, placement, comm))
+    by_origin = {n.meta[FXPAR_ORIGIN]: n for n in compiled.tp_graph.graph.nodes if FXPAR_ORIGIN in n.meta}
+    order = [n.name for n in reference.graph.nodes if n.op not in ("placeholder", "output")]
+    first, worst, detail = len(order) + 1, 0.0, ""  # len(order) stands for the final outputs
+    for i, name in enumerate(order):
+        node = by_origin.get(name)
+        if node is None or node.name not in par.values:
+            continue  # rewritten away (the vocab lookup became one collective)
+        placement = node.meta.get(FXPAR_PLACEMENT)
+        if isinstance(placement, Partial):
+            continue  # a partial sum: its users see the reduced value
+        err = _max_err(par.values[node.name], _expected(ref.values[name], placement, comm))
         worst = max(worst, err)
         if err > tol:
             first, detail = i, f"node {name} ({node.target}, module {module_path(node) or '<root>'}), " \
                                f"placement {placement or 'R'}: max relative error {err:.3g} > {tol}"
             break
-    if first == ok:
+    if first > len(order):
         err = _max_err(list(pm.graph_module(*pm.graph_inputs(flat))), list(ref_out))
         worst = max(worst, err)
         if err > tol:
-            first, detail = len(by_name), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"
+            first, detail = len(order), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"
     if comm.size > 1 and not comm.simulated:
         t = torch.tensor([first])
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=comm.group)
         if t.item() < first:
             first = t.item()
-            name = list(ref.values)[first] if first < len(by_name) else "the outputs"
+            name = order[first] if first < len(order) else "the outputs"
             detail = f"{name} diverge(s) on another tp rank"
-    if first < ok:
+    if first <= len(order):
         raise VerifyError(f"fxpar.verify: tp rank {comm.rank}: {detail}")
     return worst

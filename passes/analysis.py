@@ -24,6 +24,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .fused import fused_parts
+from .meta import USER, input_of
 from .placements import Placement, Replicate, Shard, plain_shard
 from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, Indivisible, NoRule, rule_for
 
@@ -32,7 +33,8 @@ aten = torch.ops.aten
 
 @dataclass
 class Region:
-    """One proven (or refused) tensor-parallel region, for the plan."""
+    """One proven (or refused) tensor-parallel region, for the plan. GEMMs are named by their ATen node name;
+    `modules` maps each to its module path (`model.layers.0.self_attn.q_proj`)."""
 
     module: str
     columns: list[str]
@@ -40,6 +42,8 @@ class Region:
     replicated: list[str] = field(default_factory=list)  # seeds of the group left replicated
     reason: str = ""  # why seeds were left replicated
     indivisible: bool = False  # the reason is a size that t does not divide
+    kind: str = "tp"  # "tp": column- then row-parallel GEMMs; "vocab": the vocab-parallel embedding and LM head
+    modules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,7 +67,7 @@ def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         floating = isinstance(v, torch.Tensor) and v.is_floating_point()
-        if n in params or (n.op == "placeholder" and floating and n.meta.get("fxpar_user_input")):
+        if n in params or (n.op == "placeholder" and floating and input_of(n).kind == USER):
             out.add(n)
         elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
             if floating or isinstance(v, (list, tuple)):
@@ -170,7 +174,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             seeds = [s for s in seeds if s not in claimed]
             if not seeds:
                 continue
-            region = Region(module_path(seeds[0]), [])
+            region = Region(module_path(seeds[0]), [], modules={s.name: module_path(s) for s in seeds})
             first_error = None
             for subset in _subsets(seeds):
                 ctx = Ctx(dict(placements), t, params)
@@ -187,6 +191,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 region.columns = [s.name for s in subset]
                 region.module = _common_module([n for n, d in got.items() if d.role])
                 region.rows = [n.name for n, d in got.items() if d.role == "row"]
+                region.modules.update({n.name: module_path(n) for n, d in got.items() if d.role == "row"})
                 claimed.update(n for n, d in got.items() if d.role)
                 break
             region.replicated = [s.name for s in seeds if s.name not in region.columns]
@@ -195,4 +200,24 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     return Analysis(t, placements, decisions, param_specs, regions, _grad_nodes(gm, params))
 
 
-__all__ = ["Analysis", "Region", "analyze", "module_path", "plain_shard", "Replicate"]
+def weight_specs(analysis: Analysis) -> dict[str, Shard]:
+    """state_dict key -> Shard of every sharded weight (the keys come from the placeholders' GraphInput records)."""
+    return {input_of(n).key: s for n, s in analysis.param_specs.items()}
+
+
+def check_divisible(analysis: Analysis) -> None:
+    """Raise ValueError if some region could be sharded but for a size (heads, features) that t does not divide:
+    that is a wrong tensor-parallel degree, not a model to run replicated."""
+    blocked = [r for r in analysis.regions if r.indivisible and not r.columns]
+    if blocked:
+        r = blocked[0]
+        gemms = ", ".join(f"{g} ({r.modules[g]})" if r.modules.get(g) else g for g in r.replicated)
+        raise ValueError(
+            f"fxpar: cannot split {len(blocked)} region(s) over t={analysis.t}. First: module {r.module or '<root>'}, "
+            f"GEMMs {gemms}: {r.reason}.\n"
+            "Fix: choose a tensor-parallel degree that divides the heads and hidden sizes."
+        )
+
+
+__all__ = ["Analysis", "Region", "analyze", "check_divisible", "module_path", "weight_specs", "plain_shard",
+           "Replicate"]

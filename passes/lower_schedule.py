@@ -1,28 +1,59 @@
-"""Lowering a compute schedule: add the point-to-point sends and receives between pipeline ranks.
+"""Lowering a compute schedule into the program the pipeline runtime runs: sends, receives and message tags.
 
-Pattern: walk each rank's actions once; before a compute action whose input comes from another rank, insert the
-RECV; after a compute action whose output goes to another rank, insert the SEND. Chunk c's forward input comes from
-chunk c-1 and its output goes to chunk c+1; the backward runs the other way. Neighbours on the same rank (p=1)
-exchange nothing. The compute order is left untouched.
+Pattern: walk each rank's actions once. After a compute action whose output goes to another rank, insert its SEND.
+For a compute action whose input comes from another rank, insert its RECV as early as the rank allows: right after
+the rank's previous SEND (or at the start), as torch.distributed.pipelining does, so that a peer's send never waits
+for this rank's compute before a matching receive exists. Chunk c's forward input comes from chunk c-1 and its
+output goes to chunk c+1; the backward runs the other way. Neighbours on the same rank exchange nothing (the runtime
+hands the tensors over in memory). The compute order is left untouched.
 
-[Note: p2p semantics] The runtime posts a SEND as a non-blocking isend and waits for a RECV at its place in the
-list (irecv + wait, or the same ops batched). Under "sends never block, receives block until matched":
-  * no deadlock: every RECV waits only for a SEND that sits right after a compute action on the peer, so a lowered
-    schedule deadlocks exactly when its compute dependencies do (`simulate.check_deadlock_free` replays it);
-  * no mismatched message: gloo matches messages between two ranks in posting order, so for every ordered pair
-    (a, b) the SENDs on a to b and the RECVs on b from a must move the same messages in the same order.
-    `check_p2p_matching` proves it for a given lowered schedule, and names the pair and the first difference.
+[Note: p2p semantics] What the runtime does with each action, and what `passes.proofs.prove` checks:
+  * SEND_*  posts a non-blocking isend; every send of a step is waited for at the end of the step (the flush);
+  * RECV_*  posts a non-blocking irecv into fresh buffers;
+  * F / B   first waits for the receives of its own inputs, then computes.
+  Messages are matched by (source rank, destination rank, tag), never by order. The tag encodes the message:
+  `Program.tag(action)` = ((microbatch * chunks + consuming chunk) * 2 + direction), unique for every message of a
+  step, which `passes.proofs.prove` checks. So the order of the RECVs among themselves does not matter; a program
+  deadlocks exactly when some compute action waits for a message whose SEND sits, on its peer, behind a compute action that
+  waits (transitively) for this one.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, rank_of_chunk
 
 # compute kind -> (recv kind, chunk step to the producer; send kind, chunk step to the consumer)
 _P2P_OF = {F: (RECV_F, -1, SEND_F, +1), B: (RECV_B, +1, SEND_B, -1)}
+TAG_LIMIT = 2**31  # gloo and nccl take an int tag
+
+
+@dataclass(frozen=True)
+class Program:
+    """A lowered schedule: every pipeline rank's actions, in order, over p ranks, v chunks each, m microbatches."""
+
+    p: int
+    v: int
+    m: int
+    actions: dict  # pp rank -> tuple[Action, ...]
+
+    def __post_init__(self):
+        if sorted(self.actions) != list(range(self.p)):
+            raise ValueError(f"a program needs the actions of ranks 0..{self.p - 1}, got ranks {sorted(self.actions)}")
+
+    @property
+    def chunks(self) -> int:
+        return self.p * self.v
+
+    def tag(self, action: Action) -> int:
+        """The message tag of a SEND or RECV; a SEND and the RECV that must match it get the same tag."""
+        direction, _, consumer, microbatch = action.message()
+        return (microbatch * self.chunks + consumer) * 2 + (direction == B)
 
 
 def lower(schedule: dict[int, list[Action]], p: int, v: int) -> dict[int, list[Action]]:
-    """Return a new schedule with RECV_* before and SEND_* after each compute action that crosses ranks.
+    """Return a new schedule with a SEND_* after each compute action whose output crosses ranks and a RECV_* posted
+    early (see the module docstring) for each compute action whose input crosses ranks.
 
     Args:
         schedule: compute-only schedule from `build_schedule` (p2p actions in it raise ValueError).
@@ -33,19 +64,26 @@ def lower(schedule: dict[int, list[Action]], p: int, v: int) -> dict[int, list[A
     last_chunk = p * v - 1
     lowered = {}
     for rank, actions in schedule.items():
-        out = []
+        out, post_at = [], 0  # where the next RECV goes: right after the last SEND so far
         for a in actions:
             if a.is_p2p:
                 raise ValueError(f"rank {rank}: schedule is already lowered (found {a}); lower a compute schedule")
             recv_kind, recv_step, send_kind, send_step = _P2P_OF[a.kind]
             producer, consumer = a.chunk + recv_step, a.chunk + send_step
             if 0 <= producer <= last_chunk and rank_of_chunk(producer, p) != rank:
-                out.append(Action(a.chunk, recv_kind, a.microbatch, rank_of_chunk(producer, p)))
+                out.insert(post_at, Action(a.chunk, recv_kind, a.microbatch, rank_of_chunk(producer, p)))
+                post_at += 1
             out.append(a)
             if 0 <= consumer <= last_chunk and rank_of_chunk(consumer, p) != rank:
                 out.append(Action(a.chunk, send_kind, a.microbatch, rank_of_chunk(consumer, p)))
+                post_at = len(out)
         lowered[rank] = out
     return lowered
+
+
+def lower_program(schedule: dict[int, list[Action]], p: int, v: int, m: int) -> Program:
+    """The Program of a compute schedule: `lower`, frozen per rank."""
+    return Program(p, v, m, {rank: tuple(actions) for rank, actions in lower(schedule, p, v).items()})
 
 
 def p2p_streams(lowered: dict[int, list[Action]]) -> dict[tuple[int, int], tuple[list, list]]:
@@ -59,26 +97,3 @@ def p2p_streams(lowered: dict[int, list[Action]]) -> dict[tuple[int, int], tuple
             sends, recvs = streams.setdefault(pair, ([], []))
             (sends if a.is_send else recvs).append(a.message())
     return streams
-
-
-def check_p2p_matching(lowered: dict[int, list[Action]]) -> None:
-    """Raise ValueError unless, for every pair (a, b), a's sends to b and b's receives from a agree in order.
-
-    See [Note: p2p semantics]: gloo pairs the n-th send with the n-th receive between two ranks, so any difference
-    in order would hand a tensor to the wrong microbatch or chunk.
-    """
-    for (src, dst), (sends, recvs) in sorted(p2p_streams(lowered).items()):
-        for n, (sent, received) in enumerate(zip(sends, recvs)):
-            if sent != received:
-                raise ValueError(f"p2p order mismatch from rank {src} to rank {dst} at message {n}: rank {src} sends "
-                                 f"{_describe(sent)} but rank {dst} expects {_describe(received)}; reorder the "
-                                 f"receives on rank {dst} to follow rank {src}'s sends")
-        if len(sends) != len(recvs):
-            raise ValueError(f"rank {src} sends {len(sends)} messages to rank {dst}, which receives {len(recvs)}")
-
-
-def _describe(message: tuple[str, int, int, int]) -> str:
-    direction, producer, consumer, microbatch = message
-    what = "activation" if direction == F else "gradient"
-    return f"the {what} of chunk {producer} -> {consumer} for microbatch {microbatch}"
-

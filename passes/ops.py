@@ -1,8 +1,10 @@
 """The ops that the tensor-parallel pass inserts: Megatron's f and g, gather and scatter, the vocab embedding.
 
-Each is an nn.Module so that the rewritten graph calls it as `self.tp_g(x)`: the module holds the explicit
+Each is an nn.Module so that the rewritten graph calls it as `self.tp_g_0(x)`: the module holds the explicit
 communication context (process group, rank, size); there is no global state. Collectives go through
-torch.distributed, so torch's CommDebugMode counts them.
+torch.distributed, so torch's CommDebugMode counts them. On fake or meta tensors (shape propagation) they move no
+data: the result has the shape the real collective would give. The call nodes are tagged with their kind
+(meta[FXPAR_COMM], passes/meta.py), which is how every later pass recognises them.
 
     f        identity forward, all-reduce backward   (enters a region: the input's gradient is a per-rank partial)
     g        all-reduce forward, identity backward   (leaves a region: sums the row-parallel partial outputs)
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .placements import Shard, local_shard, unshard
 
@@ -33,19 +36,24 @@ class TPComm:
         return self.group is None and self.size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.simulated:
+        if self.size == 1 or self.simulated or _shape_only(x):
             return x
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.simulated:
+        if self.simulated or _shape_only(x):
             return [x] * self.size
         x = x.contiguous()
         out = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(out, x, group=self.group)
         return out
+
+
+def _shape_only(x: torch.Tensor) -> bool:
+    """A fake or meta tensor: only its shape is computed, so a collective on it moves nothing."""
+    return isinstance(x, FakeTensor) or x.device.type == "meta"
 
 
 class _F(torch.autograd.Function):
@@ -142,7 +150,7 @@ class VocabParallelEmbedding(_TPModule):
         return _G.apply(out, self.comm)
 
 
-COMM_MODULES = {
-    "tp_f": CopyToTP, "tp_g": ReduceFromTP, "tp_scatter": ScatterToTP, "tp_gather": GatherFromTP,
-    "tp_vocab_embedding": VocabParallelEmbedding,
+COMM_MODULES = {  # kind (passes/meta.py COMM_KINDS) -> module
+    "f": CopyToTP, "g": ReduceFromTP, "scatter": ScatterToTP, "gather": GatherFromTP,
+    "vocab_embedding": VocabParallelEmbedding,
 }

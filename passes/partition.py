@@ -1,14 +1,16 @@
 """Partition: cut a (tensor-parallel) graph into p*v pipeline chunks at transformer-layer boundaries.
 
 Glossary
-    block     the repeated module of the model (GPT's `h.N`, Llama's `model.layers.N`), found from nn_module_stack:
-              the ModuleList whose children 0..L-1 own the most nodes.
+    block     the repeated module of the model (GPT's `h.N`, Llama's `model.layers.N`): the main block of
+              passes/layers.py, found from nn_module_stack.
     chunk     a contiguous run of layers; chunk i runs on pipeline rank i mod p ([Note: pipeline ownership]).
               The embedding (everything before the first layer) joins chunk 0; the head and the model's outputs
               join the last chunk.
     boundary  the values a chunk hands to the next: every value made from parameters in an earlier chunk and used
               in a later one (usually just the residual stream). Values made only from the inputs, buffers and
               constants (masks, rotary tables, position ids) are not sent: each chunk recomputes its own copy.
+              Each boundary value is described as data (BoundaryValue: name, this rank's local shape, dtype,
+              placement), which is what the runtime allocates and the proofs compare.
 
 Pattern: layers get a cost (GEMM FLOPs, plus elements for the rest), and a linear-partition DP splits them into p*v
 contiguous chunks that minimize the most expensive chunk. Every layer lands in exactly one chunk, so a layer count
@@ -23,26 +25,44 @@ same function as the whole graph.
 from __future__ import annotations
 
 import math
-import re
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .layers import find_layers
+from .meta import BOUNDARY, FXPAR_INPUT, FXPAR_PLACEMENT, GraphInput, copy_meta, input_of, param_nodes
+from .placements import Placement, Replicate
 from .rules import GEMM_WEIGHT_ARG
 
 aten = torch.ops.aten
-_INDEXED = re.compile(r"^(.*?)\.?(\d+)$")
+
+
+@dataclass(frozen=True)
+class BoundaryValue:
+    """One value that crosses from a chunk to the next, as this rank holds it."""
+
+    name: str  # its node's name in the rank's graph
+    shape: tuple[int, ...]  # local shape
+    dtype: torch.dtype
+    placement: Placement
+
+    @property
+    def differentiable(self) -> bool:
+        """Only floating values carry a gradient back."""
+        return self.dtype.is_floating_point
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.placement} {'x'.join(map(str, self.shape))} {str(self.dtype).split('.')[-1]}"
 
 
 @dataclass(frozen=True)
 class Chunk:
     index: int
     gm: GraphModule
-    inputs: tuple[str, ...]  # placeholder names of gm, in order: graph inputs (params, buffers, user) or boundary
-    boundary_in: tuple[str, ...]  # the subset of inputs received from the previous chunk
-    boundary_out: tuple[str, ...]  # what it sends to the next chunk (empty for the last chunk)
+    inputs: tuple[GraphInput, ...]  # one per placeholder of gm: graph inputs, and BOUNDARY values received
+    boundary_in: tuple[BoundaryValue, ...]  # what it receives from the previous chunk (BOUNDARY index order)
+    boundary_out: tuple[BoundaryValue, ...]  # what it sends to the next chunk (empty for the last chunk)
     layers: tuple[int, ...]
 
 
@@ -50,31 +70,12 @@ class Chunk:
 class Partition:
     chunks: tuple[Chunk, ...]
     block: str  # the repeated module's path, e.g. "model.layers"
-    layer_cost: tuple[float, ...]
+    layer_cost: tuple[float, ...]  # per layer of the block, in index order
 
     def __post_init__(self):
         seen = [layer for c in self.chunks for layer in c.layers]
-        if seen != list(range(len(self.layer_cost))):
+        if len(seen) != len(self.layer_cost) or seen != sorted(set(seen)):
             raise ValueError(f"partition must cover every layer once, in order; got {seen}")
-
-
-def find_block(gm: GraphModule) -> tuple[str, dict[Node, int]]:
-    """The repeated block's path and each node's layer index (nodes outside any layer are absent)."""
-    owners: Counter = Counter()
-    per_node: dict[Node, dict[str, int]] = {}
-    for n in gm.graph.nodes:
-        found = {}
-        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
-            m = _INDEXED.match(path)
-            if m:
-                found.setdefault(m.group(1), int(m.group(2)))
-        per_node[n] = found
-        owners.update(found.keys())
-    if not owners:
-        raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into stages")
-    layers = {b: len({f[b] for f in per_node.values() if b in f}) for b in owners}
-    block = max(owners, key=lambda b: (owners[b] * layers[b], -len(b)))  # most nodes times most layers
-    return block, {n: f[block] for n, f in per_node.items() if block in f}
 
 
 def node_cost(n: Node) -> float:
@@ -121,17 +122,18 @@ def balance(costs: list[float], pre: float, post: float, k: int) -> list[list[in
     return runs[::-1]
 
 
-def _chunk_of_nodes(gm: GraphModule, layer_of: dict[Node, int], runs: list[list[int]]) -> dict[Node, int]:
+def _chunk_of_nodes(gm: GraphModule, position: dict[Node, int], runs: list[list[int]]) -> dict[Node, int]:
+    """Chunk of every call node; `position` is a node's layer position (0..L-1) in the block."""
     chunk_of_layer = {layer: c for c, run in enumerate(runs) for layer in run}
-    first_layer_pos = min(i for i, n in enumerate(gm.graph.nodes) if n in layer_of)
+    first_layer_pos = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
     out: dict[Node, int] = {}
     for i, n in enumerate(gm.graph.nodes):
         if n.op in ("placeholder", "get_attr"):
             continue
         if n.op == "output":
             out[n] = len(runs) - 1
-        elif n in layer_of:
-            out[n] = chunk_of_layer[layer_of[n]]
+        elif n in position:
+            out[n] = chunk_of_layer[position[n]]
         else:  # inserted nodes (f, g, bias adds) follow their inputs; the rest by position
             ins = [out[a] for a in n.all_input_nodes if a in out]
             out[n] = max(ins) if ins else (0 if i < first_layer_pos else len(runs) - 1)
@@ -146,26 +148,42 @@ def _param_dependent(gm: GraphModule, params: set[Node]) -> set[Node]:
     return dep
 
 
-def partition_pass(gm: GraphModule, params: set[Node], k: int) -> Partition:
-    """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph."""
-    block, layer_of = find_block(gm)
-    L = max(layer_of.values()) + 1
-    costs = [0.0] * L
+def whole_graph(gm: GraphModule) -> Partition:
+    """The one-chunk partition: gm itself, every placeholder an input (no pipeline, or p*v = 1)."""
+    layers = find_layers(gm)
+    indices = layers.main.indices if layers.main is not None else ()
+    inputs = tuple(input_of(n) for n in gm.graph.nodes if n.op == "placeholder")
+    chunk = Chunk(0, gm, inputs, (), (), indices)
+    return Partition((chunk,), layers.main.path if layers.main else "", (0.0,) * len(indices))
+
+
+def partition_pass(gm: GraphModule, k: int) -> Partition:
+    """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph; k = 1 is gm."""
+    if k == 1:
+        return whole_graph(gm)
+    layers = find_layers(gm)
+    if layers.main is None:
+        raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into "
+                         f"{k} pipeline chunks")
+    indices = layers.main.indices
+    position = {n: indices.index(i) for n, i in layers.index_of.items()}
+    costs = [0.0] * len(indices)
     pre = post = 0.0
-    first = min(i for i, n in enumerate(gm.graph.nodes) if n in layer_of)
+    first = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
     for i, n in enumerate(gm.graph.nodes):
-        if n in layer_of:
-            costs[layer_of[n]] += node_cost(n)
+        if n in position:
+            costs[position[n]] += node_cost(n)
         elif i < first:
             pre += node_cost(n)
         else:
             post += node_cost(n)
     runs = balance(costs, pre, post, k)
-    chunk_of = _chunk_of_nodes(gm, layer_of, runs)
-    sent = _param_dependent(gm, params)
+    chunk_of = _chunk_of_nodes(gm, position, runs)
+    sent = _param_dependent(gm, param_nodes(gm))
     crossing = _crossing(gm, chunk_of, sent, k)
-    chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(runs[c])) for c in range(k))
-    return Partition(chunks, block, tuple(costs))
+    chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(indices[i] for i in runs[c]))
+                   for c in range(k))
+    return Partition(chunks, layers.main.path, tuple(costs))
 
 
 def _crossing(gm, chunk_of, sent, k) -> list[list[Node]]:
@@ -178,12 +196,22 @@ def _crossing(gm, chunk_of, sent, k) -> list[list[Node]]:
     return [[a for a in last_use if chunk_of[a] < c <= last_use[a]] for c in range(k)]
 
 
+def boundary_value(n: Node) -> BoundaryValue:
+    """How a crossing value travels: its local shape, dtype and placement, from the rank's graph metadata."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        raise ValueError(f"fxpar partition: {n.name} crosses a pipeline boundary but is not a tensor ({type(v)})")
+    return BoundaryValue(n.name, tuple(v.shape), v.dtype, n.meta.get(FXPAR_PLACEMENT, Replicate()))
+
+
 def _build_chunk(gm, c, chunk_of, sent, crossing, layers) -> Chunk:
     graph, env = Graph(), {}
     own = [n for n in gm.graph.nodes if chunk_of.get(n) == c and n.op != "output"]
     needed = _recompute_closure(own, chunk_of, sent, set(crossing[c]), c)
-    boundary_in = [graph.placeholder(a.name) for a in crossing[c]]
-    env.update(zip(crossing[c], boundary_in))
+    for i, a in enumerate(crossing[c]):
+        env[a] = graph.placeholder(a.name)
+        copy_meta(a, env[a])
+        env[a].meta[FXPAR_INPUT] = GraphInput(BOUNDARY, a.name, i)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"
               and any(n in u.all_input_nodes for u in needed + own)]
     for n in inputs:
@@ -198,10 +226,10 @@ def _build_chunk(gm, c, chunk_of, sent, crossing, layers) -> Chunk:
     else:
         nxt = crossing[c + 1]
         graph.output(tuple(env[a] for a in nxt))
-        boundary_out = tuple(a.name for a in nxt)
+        boundary_out = tuple(boundary_value(a) for a in nxt)
     sub = GraphModule(_modules_used(gm, needed + own), graph, class_name=f"Chunk{c}")
-    names = tuple(a.name for a in crossing[c]) + tuple(n.name for n in inputs)
-    return Chunk(c, sub, names, tuple(a.name for a in crossing[c]), boundary_out, layers)
+    chunk_inputs = tuple(env[a].meta[FXPAR_INPUT] for a in crossing[c]) + tuple(input_of(n) for n in inputs)
+    return Chunk(c, sub, chunk_inputs, tuple(boundary_value(a) for a in crossing[c]), boundary_out, layers)
 
 
 def _recompute_closure(own, chunk_of, sent, received, c) -> list[Node]:

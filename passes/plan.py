@@ -38,13 +38,15 @@ class Plan:
     def region_table(self) -> str:
         rows = []
         for r in self.regions:
-            vocab = any("embedding" in c for c in r.columns) or (r.rows and not r.columns)
+            def named(gemms):
+                return ", ".join(f"{g} ({r.modules[g]})" if r.modules.get(g) else g for g in gemms)
+
             rows.append([
                 r.module or "<root>",
-                ", ".join(r.columns) or "-",
-                ", ".join(r.rows) or "-",
-                "vocab" if vocab else (f"f + {len(r.rows)} g" if r.columns else "-"),
-                ", ".join(r.replicated) + (f": {r.reason}" if r.reason else "") if r.replicated else "",
+                named(r.columns) or "-",
+                named(r.rows) or "-",
+                "vocab" if r.kind == "vocab" else (f"f + {len(r.rows)} g" if r.columns else "-"),
+                named(r.replicated) + (f": {r.reason}" if r.reason else "") if r.replicated else "",
             ])
         return tabulate(rows, headers=["module", "column-parallel", "row-parallel", "collectives", "replicated (why)"])
 
@@ -54,8 +56,10 @@ class Plan:
         return tabulate(rows, headers=["weight", "global", "placement", "local"])
 
     def stage_table(self) -> str:
-        rows = [[c, r, f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else layers[0], ", ".join(sends) or "-"]
-                for c, r, layers, sends in self.stages]
+        def span(layers):
+            return f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else (layers[0] if layers else "-")
+
+        rows = [[c, r, span(layers), ", ".join(sends) or "-"] for c, r, layers, sends in self.stages]
         return tabulate(rows, headers=["chunk", "pp rank", "layers", "sends"])
 
     def __str__(self) -> str:
@@ -67,6 +71,7 @@ class Plan:
 
 
 def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1) -> Plan:
+    """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table."""
     stages = () if partition is None else tuple(
-        (c.index, c.index % pp, c.layers, c.boundary_out) for c in partition.chunks)
+        (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
     return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages)

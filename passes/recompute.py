@@ -1,8 +1,7 @@
 """Activation recomputation as a graph pass: regions of the per-rank graph run under torch.utils.checkpoint.
 
-    full       every transformer layer's forward is recomputed in backward. Layers come from
-               node.meta["nn_module_stack"]: the outermost module that is an entry of a repeated block, a module
-               list of one class with at least two entries (h.0, h.1; model.layers.3).
+    full       every transformer layer's forward is recomputed in backward. Layers are the entries of the repeated
+               blocks of passes/layers.py (h.0, h.1; model.layers.3).
     selective  only the attention core, from q @ k^T (or the SDPA call) to its output (Korthikanti et al. 2022,
                "Reducing Activation Recomputation in Large Transformer Models", section 5).
 
@@ -18,26 +17,23 @@ tensors it needs. Recomputation alone is bit-exact: the autograd graph and every
     all-reduce runs once either way.
 
 Glossary: *region*, a set of nodes that is contiguous in graph order, so one call can stand for it; *segment*, the
-part of a layer between two collectives; *saved bytes*, distinct storages that autograd keeps for backward, weights
-and buffers excluded (what saved_activation_bytes measures).
+part of a layer between two collectives. Collectives are recognised by their tag (meta[FXPAR_COMM]).
 """
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 import torch.nn as nn
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 
+from ..cost.flops import RECOMPUTE_MODES
 from . import fused_ops
+from .layers import Layers, find_layers
+from .meta import FORWARD_IDENTITY, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind, copy_meta
 
 aten = torch.ops.aten
-FXPAR_RECOMPUTE = "fxpar_recompute"  # node.meta key on the call of a Checkpointed region: "full:h.0" / "selective:h.0"
-MODES = ("none", "selective", "full")
-
-_LAYER = re.compile(r"(?:.*\.)?\d+")
 _CUT = object()  # a collective: ends any region
 _SDPA = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
@@ -59,57 +55,36 @@ class Checkpointed(nn.Module):
         return checkpoint(self.body, *args, use_reentrant=False)
 
 
-def _indexed(node: Node) -> list[tuple[str, str, str]]:
-    """(path, parent path, class) of the indexed modules on node's stack (h.0 -> parent h), outermost first."""
-    out = []
-    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
-        if _LAYER.fullmatch(path):
-            out.append((path, path.rpartition(".")[0], str(cls)))
-    return out
+def _is_cut(n: Node) -> bool:
+    """A collective that moves data forward ([Note: collectives stay outside recomputed regions]), or any module
+    call that is not a collective (it might be one, or a region already)."""
+    return n.op == "call_module" and comm_kind(n) not in FORWARD_IDENTITY
 
 
-def repeated_blocks(gm: GraphModule) -> set[tuple[str, str]]:
-    """(parent path, class) of the module lists whose entries are one class, at least twice (h.0, h.1: GPT blocks)."""
-    seen: dict[tuple[str, str], set[str]] = {}
-    for n in gm.graph.nodes:
-        for path, parent, cls in _indexed(n):
-            seen.setdefault((parent, cls), set()).add(path)
-    return {key for key, paths in seen.items() if len(paths) >= 2}
-
-
-def layer_of(node: Node, blocks: set[tuple[str, str]]) -> str | None:
-    """The transformer layer a node belongs to: its outermost module that is an entry of a repeated block."""
-    return next((path for path, parent, cls in _indexed(node) if (parent, cls) in blocks), None)
-
-
-def _is_collective(n: Node) -> bool:
-    return n.op == "call_module" and not str(n.target).startswith("tp_f_")
-
-
-def _layer_keys(gm: GraphModule) -> dict[Node, str | None]:
+def _layer_keys(gm: GraphModule, layers: Layers) -> dict[Node, str | None]:
     """Layer of every call node; collectives cut; a node that a pass inserted (no module stack) joins its layer
     when the calls around it agree (the bias after g, f before a GEMM)."""
     keys: dict[Node, str | None] = {}
-    prev, pending, blocks = None, [], repeated_blocks(gm)
+    prev, pending = None, []
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_module"):
             continue
-        if _is_collective(n):
+        if _is_cut(n):
             keys.update(dict.fromkeys(pending + [n]))
             prev, pending = _CUT, []
         elif not n.meta.get("nn_module_stack"):
             pending.append(n)
         else:
-            key = layer_of(n, blocks)
+            key = layers.layer(n)
             keys.update(dict.fromkeys(pending, key if prev in (key, _CUT) and key is not None else None))
             keys[n], prev, pending = key, key, []
     keys.update(dict.fromkeys(pending))
     return keys
 
 
-def _full_regions(gm: GraphModule) -> list[tuple[str, list[Node]]]:
+def _full_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[Node]]]:
     """Maximal runs of consecutive call nodes of one layer (collectives end a run)."""
-    keys, runs, current, key = _layer_keys(gm), [], [], None
+    keys, runs, current, key = _layer_keys(gm, layers), [], [], None
     for n in gm.graph.nodes:
         if n not in keys:
             continue  # placeholders, get_attr, output: inputs, not members
@@ -172,9 +147,9 @@ def _between(src: Node, dst: Node) -> set[Node]:
     return down & up
 
 
-def _selective_regions(gm: GraphModule) -> list[tuple[str, list[Node]]]:
+def _selective_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[Node]]]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    regions, blocks = [], repeated_blocks(gm)
+    regions = []
     for n in gm.graph.nodes:
         core = None
         if n.op == "call_function" and n.target in _SDPA:
@@ -182,7 +157,7 @@ def _selective_regions(gm: GraphModule) -> list[tuple[str, list[Node]]]:
         elif n.op == "call_function" and n.target in _SOFTMAX:
             core = _attention_core(n)
         if core:
-            label = f"selective:{layer_of(n, blocks) or n.name}"
+            label = f"selective:{layers.layer(n) or n.name}"
             regions.append((label, sorted(core, key=order.__getitem__)))
     return regions
 
@@ -228,12 +203,15 @@ def _extract(gm: GraphModule, nodes: list[Node], name: str, label: str) -> None:
     with gm.graph.inserting_before(nodes[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         call.meta[FXPAR_RECOMPUTE] = label
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        if all(FXPAR_PLACEMENT in o.meta for o in outputs):
+            call.meta[FXPAR_PLACEMENT] = tuple(o.meta[FXPAR_PLACEMENT] for o in outputs)
         stack = next((n.meta["nn_module_stack"] for n in nodes if n.meta.get("nn_module_stack")), None)
         if stack is not None:  # the region's layer, so the pipeline partition keeps it with its layer
             call.meta["nn_module_stack"] = stack
         getters = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for o, get in zip(outputs, getters):
-        get.meta = {k: v for k, v in o.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+        copy_meta(o, get)
         o.replace_all_uses_with(get, delete_user_cb=lambda u: u not in inside)
     for n in reversed(nodes):
         gm.graph.erase_node(n)
@@ -248,11 +226,13 @@ def recompute_pass(gm: GraphModule, mode: str) -> GraphModule:
     are bit-identical; collectives stay outside ([Note: collectives stay outside recomputed regions]).
     Returns gm, rewritten in place (untouched when no region was found).
     """
-    if mode not in MODES:
-        raise ValueError(f"recompute_pass: mode must be one of {MODES}, got {mode!r}. Fix: Config(recompute=...)")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute_pass: mode must be one of {RECOMPUTE_MODES}, got {mode!r}. "
+                         "Fix: Config(recompute=...)")
     if mode == "none":
         return gm
-    regions = _full_regions(gm) if mode == "full" else _selective_regions(gm)
+    layers = find_layers(gm)
+    regions = _full_regions(gm, layers) if mode == "full" else _selective_regions(gm, layers)
     start = sum(1 for n, _ in gm.named_children() if n.startswith("recompute_"))
     for i, (label, nodes) in enumerate(regions):
         _extract(gm, _make_contiguous(gm, nodes), f"recompute_{start + i}", label)
@@ -260,32 +240,3 @@ def recompute_pass(gm: GraphModule, mode: str) -> GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
-
-
-# ------------------------------------------------------------------------------------------------------ measuring
-def saved_activation_bytes(fn, exclude=()) -> tuple[object, int]:
-    """(fn(), bytes of the distinct storages autograd saves for backward while fn runs), `exclude`'s storages
-    (the weights and buffers) left out. Checkpointed regions count their inputs, which checkpoint saves through
-    the same hooks."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
-
-def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:
-    """Activation bytes per layer in Korthikanti et al. 2022 (Table 2, no sequence parallelism): 16-bit activations
-    and 1-byte dropout masks. none: sbh(10 + 24/t + 5as/(ht)), i.e. sbh(34 + 5as/h) at t = 1; selective:
-    sbh(10 + 24/t); full: 2sbh (the layer input). fp32 doubles every 16-bit term."""
-    if mode == "full":
-        return 2.0 * s * b * h
-    attention = 5.0 * a * s / (h * t) if mode == "none" else 0.0
-    return s * b * h * (10 + 24 / t + attention)

@@ -22,6 +22,8 @@ Text form (round-trips through `Action.parse`):
     "0SEND_F1>1"   chunk 0 sends its forward output of microbatch 1 to rank 1
     "1RECV_F1<0"   chunk 1 receives the forward input of microbatch 1 from rank 0
 
+Which (kind, p, m, v) can run is decided in one place, cost.pipeline.check_schedule (SCHEDULES lists the kinds).
+
 gpipe with v > 1 (our choice, not Megatron's): every rank runs all forwards of its chunks, chunk-major (local chunk
 0 for microbatches 0..m-1, then local chunk 1, ...), then all backwards in reverse chunk order. It needs m >= p so
 that chunk j*p of rank 0 never waits on the wrap-around from rank p-1; its bubble is then (p-1)/(v*m), as for
@@ -33,12 +35,13 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..cost.pipeline import SCHEDULES, check_schedule
+
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE_KINDS = (F, B)
 P2P_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 KINDS = COMPUTE_KINDS + P2P_KINDS
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved-1f1b")
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:(>|<)(\d+))?$")
 
@@ -138,36 +141,16 @@ def schedule_shape(schedule: dict[int, list[Action]]) -> tuple[int, int, int]:
     return p, chunks // p, 1 + max((a.microbatch for a in compute), default=0)
 
 
-# ---------------------------------------------------------------- validation of (kind, p, m, v)
-
-def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
-    """Raise ValueError naming the bad number and the fix; see the module docstring for each kind's needs."""
-    if kind not in SCHEDULE_KINDS:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; use one of {', '.join(SCHEDULE_KINDS)}")
-    for name, value in (("pp (p)", p), ("microbatches (m)", m), ("vpp (v)", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{kind} needs {name} to be an int >= 1, got {value!r}")
-    if kind == "1f1b" and v > 1:
-        raise ValueError(f"1f1b runs one chunk per rank, got v={v}; use schedule 'interleaved-1f1b' for v > 1 "
-                         f"or set v=1")
-    if kind == "interleaved-1f1b" and v > 1 and m % p:
-        lower, upper = (m // p) * p, (m // p + 1) * p
-        fix = f"use m={lower} or m={upper}" if lower else f"use m={upper}"
-        raise ValueError(f"interleaved-1f1b needs microbatches to be a multiple of pp: m={m}, p={p}; {fix}")
-    if kind == "gpipe" and v > 1 and m < p:
-        raise ValueError(f"gpipe with v={v} chunks per rank needs microbatches >= pp: m={m}, p={p}; use m>={p} "
-                         f"or v=1")
-
-
 # ---------------------------------------------------------------- builders
 
 def build_schedule(kind: str, p: int, m: int, v: int = 1) -> dict[int, list[Action]]:
     """The compute actions of every pp rank for `kind` in "gpipe", "1f1b", "interleaved-1f1b".
 
     Pure function of (p, m, v). "interleaved-1f1b" with v=1 is plain 1F1B (Megatron too runs the
-    non-interleaved schedule when there is one chunk per rank). Raises ValueError on sizes the schedule can't run.
+    non-interleaved schedule when there is one chunk per rank). Raises ValueError on sizes the schedule can't run
+    (the one rule, cost.pipeline.check_schedule).
     """
-    _check_sizes(kind, p, m, v)
+    check_schedule(kind, p, m, v)
     builder = _BUILDERS["1f1b" if kind == "interleaved-1f1b" and v == 1 else kind]
     return {rank: builder(rank, p, m, v) for rank in range(p)}
 
@@ -226,7 +209,7 @@ _BUILDERS = {"gpipe": gpipe_actions, "1f1b": one_f_one_b_actions, "interleaved-1
 
 # ---------------------------------------------------------------- checks and memory
 
-def check_schedule(schedule: dict[int, list[Action]], p: int, m: int, v: int = 1) -> None:
+def validate_actions(schedule: dict[int, list[Action]], p: int, m: int, v: int = 1) -> None:
     """Raise ValueError unless every (chunk, microbatch) has exactly one F and one B, on rank chunk % p, F first.
 
     p2p actions are ignored, so the check holds for lowered schedules too.

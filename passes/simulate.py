@@ -9,9 +9,11 @@ Two modes, picked from the schedule itself:
     compute-only   a forward of chunk c, microbatch i waits for the forward of chunk c-1 (plus the p2p latency when
                    c-1 lives on another rank); a backward waits for its own forward and for the backward of chunk
                    c+1 (the last chunk's backward only for its forward).
-    lowered        cross-rank inputs come only through RECV actions. [Note: p2p semantics] in lower_schedule.py:
-                   a SEND never blocks and puts the message on the (src, dst) FIFO, arriving p2p later; a RECV
-                   blocks until the head of that FIFO is there and must be the message it expects.
+    lowered        cross-rank inputs come only through messages, as the runtime runs them ([Note: p2p semantics] in
+                   lower_schedule.py): a SEND never blocks and its message arrives p2p later; a RECV only posts
+                   the receive and never blocks; a compute action waits until each of its cross-rank inputs has
+                   been received, which needs its RECV posted earlier on this rank and its SEND run on the peer.
+                   Messages are matched by what they carry (their tag), not by order.
 
 Glossary
     costs      stage-level durations {"F": forward, "B": backward, "p2p": latency}; one chunk of an interleaved
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Mapping
@@ -87,8 +88,9 @@ class _State:
     clock: list = field(default_factory=list)
     pos: list = field(default_factory=list)
     done: dict = field(default_factory=dict)  # (chunk, kind, microbatch) -> end tick
-    received: dict = field(default_factory=dict)  # (rank, message) -> arrival tick
-    fifo: dict = field(default_factory=dict)  # (src, dst) -> deque[(message, arrival tick)]
+    sent: dict = field(default_factory=dict)  # (src, dst, message) -> arrival tick
+    posted: set = field(default_factory=set)  # (src, dst, message) whose receive the destination has posted
+    consumed: set = field(default_factory=set)  # (src, dst, message) a compute action has used
     waiting: dict = field(default_factory=dict)  # rank -> why its next action is blocked
 
 
@@ -114,7 +116,8 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
         costs: stage-level {"F", "B", "p2p"} durations, default F=1, B=2, p2p=0 (see the module docstring).
     Raises:
         DeadlockError: when ranks are left with actions and none can start.
-        ValueError: when a lowered schedule receives a message out of order or misses a RECV.
+        ValueError: when a lowered schedule computes before posting the RECV of an input, or leaves a message
+            unreceived or a receive unused.
     """
     p, v, m = schedule_shape(schedule)
     lowered = any(a.is_p2p for actions in schedule.values() for a in actions)
@@ -140,7 +143,7 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
 
 
 def check_deadlock_free(lowered: dict[int, list[Action]], costs: Mapping | None = None) -> SimResult:
-    """Prove a lowered schedule runs to the end under [Note: p2p semantics] with every message matched in order.
+    """Prove a lowered schedule runs to the end under [Note: p2p semantics], every message received and used.
 
     Raises DeadlockError or ValueError otherwise; returns the replay.
     """
@@ -168,11 +171,16 @@ def _input_ready(state: _State, rank: int, action: Action, dep: tuple[int, str, 
             return None
         latency = state.costs["p2p"] if rank_of_chunk(chunk, state.p) != rank else 0
         return state.done[dep] + latency
-    message = (kind, chunk, action.chunk, microbatch)
-    if (rank, message) not in state.received:
+    peer = rank_of_chunk(chunk, state.p)
+    key = (peer, rank, (kind, chunk, action.chunk, microbatch))
+    if key not in state.posted:
         raise ValueError(f"rank {rank} runs {action} before receiving the {kind} output of chunk {chunk} from rank "
-                         f"{rank_of_chunk(chunk, state.p)}: no RECV precedes it; lower the schedule first")
-    return state.received[(rank, message)]
+                         f"{peer}: no RECV precedes it; lower the schedule first")
+    if key not in state.sent:
+        state.waiting[rank] = f"waits for {chunk}{kind}{microbatch} from rank {peer}"
+        return None
+    state.consumed.add(key)
+    return state.sent[key]
 
 
 def _run_compute(state: _State, rank: int, action: Action):
@@ -189,26 +197,17 @@ def _run_compute(state: _State, rank: int, action: Action):
 
 
 def _run_send(state: _State, rank: int, action: Action):
-    """SEND_*: never blocks; the message joins the (rank, peer) FIFO and arrives one p2p latency later."""
+    """SEND_*: never blocks; the message arrives one p2p latency later."""
     now = state.clock[rank]
-    state.fifo.setdefault((rank, action.peer), deque()).append((action.message(), now + state.costs["p2p"]))
+    state.sent[(rank, action.peer, action.message())] = now + state.costs["p2p"]
     return now, now
 
 
 def _run_recv(state: _State, rank: int, action: Action):
-    """RECV_*: blocks until the (peer, rank) FIFO has a message; it must be the one this action expects."""
-    queue = state.fifo.get((action.peer, rank))
-    if not queue:
-        state.waiting[rank] = f"waits for rank {action.peer} to send"
-        return None
-    message, arrival = queue.popleft()
-    if message != action.message():
-        raise ValueError(f"rank {rank} step {state.pos[rank]} ({action}) expects {action.message()} from rank "
-                         f"{action.peer}, but the next message on that link is {message}: the sends on rank "
-                         f"{action.peer} and the receives on rank {rank} are in different orders")
-    done = max(state.clock[rank], arrival)
-    state.received[(rank, message)] = arrival
-    return done, done
+    """RECV_*: posts the receive and never blocks; the compute action that needs the message waits for it."""
+    now = state.clock[rank]
+    state.posted.add((action.peer, rank, action.message()))
+    return now, now
 
 
 _HANDLERS = {F: _run_compute, B: _run_compute, SEND_F: _run_send, SEND_B: _run_send,
@@ -216,10 +215,11 @@ _HANDLERS = {F: _run_compute, B: _run_compute, SEND_F: _run_send, SEND_B: _run_s
 
 
 def _check_drained(state: _State) -> None:
-    for (src, dst), queue in sorted(state.fifo.items()):
-        if queue:
-            raise ValueError(f"rank {src} sends {len(queue)} message(s) to rank {dst} that are never received, "
-                             f"first {queue[0][0]}")
+    for src, dst, message in sorted(set(state.sent) - state.posted):
+        raise ValueError(f"rank {src} sends {message} to rank {dst}, which never posts its receive: rank {src}'s "
+                         "flush would wait forever")
+    for src, dst, message in sorted(state.posted - state.consumed):
+        raise ValueError(f"rank {dst} posts a receive of {message} from rank {src} that no compute action uses")
 
 
 # ---------------------------------------------------------------- grid

@@ -6,6 +6,11 @@ inputs enter through f or scatter, a row-parallel GEMM is followed by g and only
 vocab-parallel lookup, and the LM head's logits are gathered. The rewritten graph is the same on every rank; only the
 weights differ, and the comm modules know the rank.
 
+Every node leaves the pass with its placement in meta[FXPAR_PLACEMENT] (Replicate where no region reached it,
+Partial for a row-parallel GEMM's output before g, the vocabulary Shard for the LM head's logits before the gather),
+and every inserted collective with its kind in meta[FXPAR_COMM]. Shapes in meta["val"] are still global here: the
+compiler's next stage (local_shapes) propagates this rank's local shapes through the rewritten graph.
+
 [Note: row-parallel bias]
     Y = X W^T + b with X and W split along the contraction dim: each rank computes X_r W_r^T, g sums them, and b is
     added after g. Adding b on every rank before g would count it t times.
@@ -16,18 +21,27 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .analysis import Analysis
+from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT
 from .ops import COMM_MODULES, TPComm
-from .placements import Shard
+from .placements import Partial, Replicate, Shard
+
+R = Replicate()
 
 aten = torch.ops.aten
 
 
-def call_comm(gm: GraphModule, kind: str, comm: TPComm, args: tuple, kwargs: dict | None = None) -> Node:
-    """A call_module node to a new comm module of `kind` (tp_f, tp_g, ...), one module per call site."""
-    i = sum(1 for name, _ in gm.named_children() if name.startswith(kind + "_"))
-    name = f"{kind}_{i}"
-    gm.add_submodule(name, COMM_MODULES[kind](comm))
-    return gm.graph.call_module(name, args, kwargs or {})
+def call_comm(gm: GraphModule, kind: str, comm: TPComm, args: tuple, kwargs: dict | None = None,
+              placement=R) -> Node:
+    """A call_module node to a new comm module of `kind` (f, g, ...), one module `tp_<kind>_<i>` per call site,
+    tagged with its kind and the placement of its output."""
+    i = 0
+    while hasattr(gm, f"tp_{kind}_{i}"):
+        i += 1
+    gm.add_submodule(f"tp_{kind}_{i}", COMM_MODULES[kind](comm))
+    node = gm.graph.call_module(f"tp_{kind}_{i}", args, kwargs or {})
+    node.meta[FXPAR_COMM] = kind
+    node.meta[FXPAR_PLACEMENT] = placement
+    return node
 
 
 class _Inserter:
@@ -43,10 +57,10 @@ class _Inserter:
         if key not in self.cache:
             with self.gm.graph.inserting_after(inp):
                 if how is None:
-                    self.cache[key] = call_comm(self.gm, "tp_f", self.comm, (inp,))
+                    self.cache[key] = call_comm(self.gm, "f", self.comm, (inp,))
                 else:
                     kwargs = {"dim": how.dim, "parts": how.parts, "pre": how.pre, "post": how.post}
-                    self.cache[key] = call_comm(self.gm, "tp_scatter", self.comm, (inp,), kwargs)
+                    self.cache[key] = call_comm(self.gm, "scatter", self.comm, (inp,), kwargs, placement=how)
         return self.cache[key]
 
 
@@ -62,29 +76,39 @@ def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> None:
     else:
         bias = None
     users = list(node.users)
+    node.meta[FXPAR_PLACEMENT] = Partial()
     with graph.inserting_after(node):
-        out = call_comm(gm, "tp_g", comm, (node,))
+        out = call_comm(gm, "g", comm, (node,))
     if bias is not None:
         with graph.inserting_after(out):
             out = graph.call_function(aten.add.Tensor, (out, bias))
+            out.meta[FXPAR_PLACEMENT] = R
     for u in users:
         u.replace_input_with(node, out)
 
 
 def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> None:
     users = list(node.users)
+    vocab = node.meta["val"].shape[-1]
+    node.meta[FXPAR_PLACEMENT] = Shard(node.meta["val"].dim() - 1, (vocab,))
     with gm.graph.inserting_after(node):
-        out = call_comm(gm, "tp_gather", comm, (node,), {"dim": -1})
+        out = call_comm(gm, "gather", comm, (node,), {"dim": -1})
     for u in users:
         u.replace_input_with(node, out)
 
 
 def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> GraphModule:
-    """Rewrite `gm` in place for tensor parallelism as `analysis` decided; returns gm (unchanged when t == 1)."""
+    """Rewrite `gm` in place for tensor parallelism as `analysis` decided; returns gm (unchanged when t == 1).
+
+    Every node is tagged with its placement, Replicate included, so what `fxpar show` prints is what was decided."""
     if not analysis.decisions:
+        for node in gm.graph.nodes:  # nothing sharded: every value is replicated (a metadata-only change)
+            node.meta[FXPAR_PLACEMENT] = R
         return gm
     ins = _Inserter(gm, analysis, comm)
     for node in list(gm.graph.nodes):
+        if FXPAR_COMM not in node.meta:
+            node.meta[FXPAR_PLACEMENT] = analysis.placements.get(node, R)
         d = analysis.decisions.get(node)
         if d is None:
             continue
@@ -98,7 +122,10 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             _reduce_then_bias(gm, node, comm)
         elif d.role == "vocab_embedding":
             with gm.graph.inserting_before(node):
-                node.replace_all_uses_with(call_comm(gm, "tp_vocab_embedding", comm, node.args, node.kwargs))
+                lookup = call_comm(gm, "vocab_embedding", comm, node.args, node.kwargs)
+            keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the lookup it replaces
+            lookup.meta.update({k: node.meta[k] for k in keep if k in node.meta})
+            node.replace_all_uses_with(lookup)
             gm.graph.erase_node(node)
         elif d.role == "vocab_head":
             _vocab_head(gm, node, comm)

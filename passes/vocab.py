@@ -44,7 +44,7 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
         return analysis
     table = max(embeddings, key=lambda n: n.args[0].meta["val"].shape[0]).args[0]
     vocab = table.meta["val"].shape[0]
-    record = Region(module_path(next(iter(table.users))), [])
+    record = Region(module_path(next(iter(table.users))), [], kind="vocab")
     heads = list(_heads(gm, params, analysis, vocab, table))
     names = {h.name for h in heads}
     analysis.regions[:] = [r for r in analysis.regions if r.columns or not names & set(r.replicated)]
@@ -62,12 +62,14 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
         if e.target is aten.embedding.default:
             analysis.decisions[e] = Decision(Replicate(), role="vocab_embedding")
             record.columns.append(e.name)
+            record.modules[e.name] = module_path(e)
     for h in heads:
         analysis.decisions[h] = Decision(Replicate(), {h.args[0]: None}, role="vocab_head")
         analysis.param_specs[h.args[1]] = spec
         if len(h.args) > 2 and isinstance(h.args[2], Node):
             analysis.param_specs[h.args[2]] = spec
         record.rows.append(h.name)
+        record.modules[h.name] = module_path(h)
     analysis.param_specs[table] = spec
     analysis.regions.append(record)
     return analysis

@@ -6,8 +6,7 @@ import torch
 import torch.nn as nn
 
 from fxpar.api import build
-from fxpar.compiler import compile_tp
-from fxpar.config import Config
+from fxpar.compiler import Target, compile_model
 from fxpar.passes.fused import fused_parts
 from fxpar.passes.ops import TPComm
 from fxpar.passes.tp import tensor_parallel_pass
@@ -90,7 +89,8 @@ def test_gqa_kv_heads_stay_replicated_when_t_does_not_divide():
 
 
 def test_t1_pass_returns_same_graph():
-    traced = trace(MLP(), (torch.randn(2, 8),))
-    compiled = compile_tp(traced, TPComm(0, 1), Config(), {})
+    compiled = compile_model(MLP(), (torch.randn(2, 8),), {}, Target(TPComm(0, 1)))
     assert not compiled.analysis.decisions
+    code = compiled.gm.code
     assert tensor_parallel_pass(compiled.gm, compiled.analysis, TPComm(0, 1)) is compiled.gm
+    assert compiled.gm.code == code

@@ -13,12 +13,21 @@ def test_bubble_fractions(p, m):
 
 
 def test_schedule_rules_name_the_constraint_and_nearby_values():
-    with pytest.raises(ValueError, match=r"m % p == 0; m=10, p=4; nearby valid m: 8, 12"):
+    with pytest.raises(ValueError, match=r"multiple of pp: m=10, p=4; use m=8 or m=12"):
         check_schedule("interleaved-1f1b", 4, 10, 2)
     with pytest.raises(ValueError, match="one chunk per device"):
         check_schedule("1f1b", 4, 8, 2)
-    with pytest.raises(ValueError, match="schedule must be one of"):
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zero-bubble'"):
         check_schedule("zero-bubble", 4, 8, 1)
+
+
+def test_the_runtime_schedules_are_valid_here_too():
+    """The planner accepts what parallelize runs: gpipe over v chunks, interleaved with one chunk."""
+    check_schedule("gpipe", 4, 8, 2)
+    check_schedule("interleaved-1f1b", 4, 6, 1)
+    assert bubble_fraction("gpipe", 4, 8, 2) == pytest.approx(3 / 16)
+    assert chunks_in_flight("gpipe", 4, 8, 2, 0) == 16  # every chunk of every microbatch
+    assert chunks_in_flight("interleaved-1f1b", 4, 8, 1, 0) == chunks_in_flight("1f1b", 4, 8, 1, 0) == 4
 
 
 def test_in_flight_matches_korthikanti_first_stage_factor():

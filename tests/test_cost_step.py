@@ -136,7 +136,7 @@ def test_scatter_gather_reduces_pipeline_time():
     (ParallelConfig(tp=3), r"--tp 3: heads 32 not divisible by 3; nearby valid: 2, 4"),
     (ParallelConfig(tp=2, pp=8, vpp=4), r"layers 24 < pp\*vpp = 32"),
     (ParallelConfig(tp=1, dp=3), r"--batch 64 not divisible by dp\*microbatch = 3\*1"),
-    (ParallelConfig(tp=1, pp=4, dp=1, microbatch=2, vpp=2), r"m % p == 0; m=33, p=4; nearby valid m: 32, 36"),
+    (ParallelConfig(tp=1, pp=4, dp=1, microbatch=2, vpp=2), r"multiple of pp: m=33, p=4; use m=32 or m=36"),
 ])
 def test_bad_configurations_name_the_constraint(config, message):
     shape = ModelShape(layers=24, hidden=2048, heads=32, seq=2048, vocab=51200, batch=64)

@@ -1,7 +1,7 @@
 """Fusion passes: golden graphs, numerics (fused vs unfused loss and every gradient, one process and t=2 over gloo),
 memory (bias+GeLU saves one [b, s, 4h/t] activation per MLP), near misses left alone, torch.compile.
 
-PP is not built yet, so the fused pipeline-parallel case is not tested here.
+The fused pipeline-parallel case runs in tests/test_pipeline_exact.py (fusion is on by default there).
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
+from fxpar.compiler import compile_graph
+from fxpar.measure import saved_activation_bytes
 from fxpar.passes.fusion import (
-    FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, compile_graph, fusion_pass,
-    placeholder_values)
-from fxpar.passes.recompute import saved_activation_bytes
+    FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, fusion_pass)
+from fxpar.passes.meta import resolve_inputs
 from fxpar.trace import trace
 from tests import models
 from tests.harness import module_pool
@@ -76,15 +77,13 @@ def _qkv(T=4):
 def _traced(model, args):
     torch.manual_seed(0)
     traced = trace(model, args)
-    values = placeholder_values(traced.inputs, dict(model.named_buffers()), traced.constants)
-    return traced, values
+    return traced, traced.values(dict(model.named_buffers()))
 
 
 def _run_traced(traced, model, gm, args):
     """Call a traced graph with the model's parameters and buffers; return (output, grads of params and args)."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    user = iter(args)
-    inputs = [state[key] if kind in ("parameter", "buffer") else next(user) for _, kind, key in traced.inputs]
+    inputs = resolve_inputs(traced.inputs, state, traced.constants, args)
     for t in list(state.values()) + list(args):
         t.grad = None
     out = gm(*inputs)[0]
@@ -201,7 +200,7 @@ def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     pm = build(model, TPComm(0, 1), args, kwargs, config=unfused) if t == 1 else \
         fxpar.parallelize(model, fxpar.init_mesh(tp=t), example_args=args, example_kwargs=kwargs, config=unfused)
     ref = pm.graph_module
-    values = placeholder_values(pm.traced.inputs, buffers, pm.traced.constants)
+    values = pm.traced.values(buffers)
     l0, g0, saved0 = loss_grads_saved(pm, args, kwargs)
     result = {"saved_unfused": saved0}
     for label, fn in (("all", functools.partial(fusion_pass, values=values)), ("bias_gelu", bias_gelu_pass)):
@@ -352,6 +351,6 @@ def test_fake_tensor_prop_runs_on_the_fused_graph():
     gm = fusion_pass(traced.gm, values)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    inputs = [mode.from_tensor(state[key] if kind != "user" else x) for _, kind, key in traced.inputs]
+    inputs = [mode.from_tensor(v) for v in resolve_inputs(traced.inputs, state, traced.constants, (x,))]
     FakeTensorProp(gm, mode).propagate(*inputs)
     assert tuple(list(gm.graph.nodes)[-2].meta["val"].shape) == (2, 3, 8)

@@ -4,28 +4,17 @@ import torch
 
 from fxpar.api import build
 from fxpar.passes.ops import TPComm
-from fxpar.passes.partition import balance, find_block, partition_pass
+from fxpar.passes.layers import find_layers
+from fxpar.passes.partition import balance, partition_pass
 from tests import models
 
 
 def _chain(pm, partition, flat):
     """Run the chunks one after another in this process, handing each boundary to the next."""
-    values = {}
     received = []
     for chunk in partition.chunks:
-        named = dict(zip(chunk.boundary_in, received))
-        args = [named[n] if n in named else values.setdefault(n, _input(pm, n, flat)) for n in chunk.inputs]
-        received = list(chunk.gm(*args))
+        received = list(chunk.gm(*pm.chunk_inputs(chunk, flat, received)))
     return received
-
-
-def _input(pm, name, flat):
-    kinds = {n: (kind, key) for n, kind, key in pm.traced.inputs}
-    users = [n for n, kind, _ in pm.traced.inputs if kind == "user"]
-    kind, key = kinds[name]
-    if kind == "user":
-        return flat[users.index(name)]
-    return pm.traced.constants[key] if kind == "constant" else pm._state[pm._aliases[key]]
 
 
 @pytest.mark.parametrize("name,k", [("gpt8", 4), ("gpt5", 4), ("llama8", 3), ("gpt2", 2), ("bert", 2)])
@@ -34,7 +23,7 @@ def test_chained_chunks_equal_the_whole_graph(name, k):
     pm = build(model, TPComm(0, 1), args, kwargs)
     flat = pm.flatten_inputs(args, kwargs)
     whole = pm.graph_module(*pm.graph_inputs(flat))
-    part = partition_pass(pm.graph_module, pm.traced.param_nodes(), k)
+    part = partition_pass(pm.graph_module, k)
     assert [c.index for c in part.chunks] == list(range(k))
     chained = _chain(pm, part, flat)
     assert len(chained) == len(whole) and all(torch.equal(a, b) for a, b in zip(chained, whole))
@@ -43,8 +32,8 @@ def test_chained_chunks_equal_the_whole_graph(name, k):
 def test_boundary_is_the_residual_stream_only():
     model, args, kwargs = models.build("llama8")
     pm = build(model, TPComm(0, 1), args, kwargs)
-    part = partition_pass(pm.graph_module, pm.traced.param_nodes(), 4)
-    assert find_block(pm.graph_module)[0] == "model.layers"
+    part = partition_pass(pm.graph_module, 4)
+    assert find_layers(pm.graph_module).main.path == "model.layers" == part.block
     for chunk in part.chunks[1:]:
         assert len(chunk.boundary_in) == 1  # masks and rotary tables are recomputed, not sent
     assert [c.layers for c in part.chunks] == [(0, 1), (2, 3), (4, 5), (6, 7)]

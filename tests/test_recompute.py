@@ -2,7 +2,7 @@
 gloo), collectives never recomputed (all-reduce counts unchanged), saved activation bytes none > selective > full
 with and without fusion, printed next to Korthikanti et al.'s per-layer formula, and edge cases.
 
-PP is not built yet, so recomputation inside pipeline chunks is not tested here.
+Recomputation inside pipeline chunks runs in tests/test_pipeline_exact.py.
 """
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
-from fxpar.passes.fusion import fusion_pass, placeholder_values
-from fxpar.passes.recompute import (
-    FXPAR_RECOMPUTE, Checkpointed, korthikanti_bytes, recompute_pass, saved_activation_bytes)
+from fxpar.cost.memory import activation_bytes_per_layer
+from fxpar.cost.shape import ModelShape
+from fxpar.measure import saved_activation_bytes
+from fxpar.passes.fusion import fusion_pass
+from fxpar.passes.meta import FXPAR_RECOMPUTE, resolve_inputs
+from fxpar.passes.recompute import Checkpointed, recompute_pass
 from fxpar.trace import trace
 from tests import models
 from tests.harness import module_pool
@@ -155,7 +158,7 @@ def recompute_matrix(name: str, t: int, **gpt_overrides) -> dict:
     pm = build(model, TPComm(0, 1), args, kwargs, config=unfused) if t == 1 else \
         fxpar.parallelize(model, fxpar.init_mesh(tp=t), example_args=args, example_kwargs=kwargs, config=unfused)
     ref = pm.graph_module
-    values = placeholder_values(pm.traced.inputs, buffers, pm.traced.constants)
+    values = pm.traced.values(buffers)
     out = {}
     for fuse in (False, True):
         base = fusion_pass(fx.GraphModule(ref, copy.deepcopy(ref.graph)), values) if fuse else ref
@@ -218,7 +221,7 @@ def test_saved_bytes_per_layer_vs_korthikanti(capsys):
     for fuse in (False, True):
         for mode in MODES:
             measured = per[3][fuse, mode]["saved"] - per[2][fuse, mode]["saved"]
-            formula = korthikanti_bytes(s, b, h, a, 1, mode)
+            formula = activation_bytes_per_layer(ModelShape(layers=2, hidden=h, heads=a, seq=s, vocab=64), b, 1, mode)
             rows.append((fuse, mode, measured, formula))
     with capsys.disabled():
         print(f"\nsaved activation bytes per layer, example GPT s={s} b={b} h={h} a={a} t=1, fp32")
@@ -273,6 +276,6 @@ def test_fake_tensor_prop_runs_on_the_recomputed_graph():
     gm = recompute_pass(traced.gm, "full")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = dict(model.named_parameters())
-    inputs = [mode.from_tensor(state[key] if kind != "user" else x) for _, kind, key in traced.inputs]
+    inputs = [mode.from_tensor(v) for v in resolve_inputs(traced.inputs, state, traced.constants, (x,))]
     FakeTensorProp(gm, mode).propagate(*inputs)
     assert tuple(list(gm.graph.nodes)[-2].meta["val"].shape) == (2, 2)

@@ -1,0 +1,90 @@
+"""Transformer layers, found from the module tree that torch.export records on every node (nn_module_stack).
+
+Glossary
+    indexed module  a module on a node's stack whose path ends in an integer: `h.3`, `model.layers.0`, `0`.
+    block           the entries of one ModuleList (or Sequential) with at least two indices that are modules with
+                    submodules of their own: the modules whose paths are `<parent>.<i>`. A model can have several
+                    (an encoder's and a decoder's layers; the experts inside each MoE layer). A Sequential of
+                    leaf modules (Linear, ReLU) is not a block: its entries are ops, not layers.
+    main block      the block whose entries own the most nodes, times the most entries, ties to the shortest path:
+                    the model's transformer layers (`h`, `model.layers`). The pipeline cuts between its entries.
+    layer of a node its entry of the main block if it has one, else its outermost entry of any other block
+                    (recomputation checkpoints these); for the main block also the entry's index (the pipeline
+                    balances these).
+
+This is the one place that decides what a layer is; partition, recompute and the planner's shape reader use it.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch.fx import Graph, GraphModule, Node
+
+_INDEXED = re.compile(r"^(?:(.*)\.)?(\d+)$")  # `<parent>.<index>` or a bare `<index>` at the top
+
+
+@dataclass(frozen=True)
+class Block:
+    path: str  # the parent's path: "h", "model.layers" ("" for a top-level Sequential)
+    indices: tuple[int, ...]  # the entries seen, sorted
+    nodes: int  # nodes owned by its entries
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class Layers:
+    """The blocks of a graph and each node's place in them."""
+
+    blocks: dict[str, Block]
+    main: Block | None
+    entry_of: dict[Node, str] = field(default_factory=dict)  # node -> its outermost block entry ("h.3")
+    index_of: dict[Node, int] = field(default_factory=dict)  # node -> its entry's index in the main block
+
+    def layer(self, node: Node) -> str | None:
+        """The outermost block entry a node belongs to (`h.3`), or None."""
+        return self.entry_of.get(node)
+
+
+def _indexed(node: Node) -> list[tuple[str, int, str]]:
+    """(parent path, index, entry path) of the indexed modules on node's stack, outermost first."""
+    out = []
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        m = _INDEXED.match(path)
+        if m:
+            out.append((m.group(1) or "", int(m.group(2)), path))
+    return out
+
+
+def find_layers(graph_or_gm: Graph | GraphModule) -> Layers:
+    """The blocks of a graph, its main block, and the layer of every node (see the module docstring)."""
+    graph = getattr(graph_or_gm, "graph", graph_or_gm)
+    inner = set()  # every module path that has a submodule on some node's stack
+    for n in graph.nodes:
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            parts = path.split(".")
+            inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    seen: dict[str, set[int]] = {}
+    owned: Counter = Counter()
+    stacks = {}
+    for n in graph.nodes:
+        stacks[n] = [(parent, i, path) for parent, i, path in _indexed(n) if path in inner]
+        for parent, index, _ in stacks[n]:
+            seen.setdefault(parent, set()).add(index)
+            owned[parent] += 1
+    blocks = {p: Block(p, tuple(sorted(ix)), owned[p]) for p, ix in seen.items() if len(ix) >= 2}
+    main = max(blocks.values(), key=lambda b: (b.nodes * b.count, -len(b.path)), default=None)
+    layers = Layers(blocks, main)
+    for n, stack in stacks.items():
+        in_main = [(i, path) for parent, i, path in stack if main is not None and parent == main.path]
+        if in_main:
+            layers.index_of[n], layers.entry_of[n] = in_main[0]
+            continue
+        entry = next((path for parent, _, path in stack if parent in blocks), None)
+        if entry is not None:
+            layers.entry_of[n] = entry
+    return layers

@@ -1,0 +1,128 @@
+"""Typed graph metadata: what the stages of the compiler tell each other through node.meta, never through names.
+
+Every key is a module constant here, so a pass reads `n.meta.get(FXPAR_COMM)` rather than guessing from a node or
+submodule name. Glossary of the keys:
+
+    FXPAR_INPUT      on every placeholder: the GraphInput it stands for (a parameter, buffer, constant, user input
+                     or a value received from the previous pipeline chunk).
+    FXPAR_ORIGIN     on every node of the traced graph and its rewritten copies: the name of the node of the traced
+                     (reference) program whose value this node computes. Inserted nodes have none.
+    FXPAR_PLACEMENT  after the tensor-parallel pass, on every node: its Placement on this rank's tp group
+                     (Replicate, Partial, Shard, or a tuple of them for multi-output nodes).
+    FXPAR_COMM       on the nodes that call a collective module: its kind, one of COMM_KINDS.
+    FXPAR_FUSED      on the nodes a fusion made: the fusion's name ("sdpa", "bias_gelu_linear", ...).
+    FXPAR_RECOMPUTE  on the call of a checkpointed region: "full:<layer>" or "selective:<layer>".
+
+[Note: one resolver] A graph's placeholders are resolved to tensors in exactly one place, `resolve_inputs`, from
+the GraphInput records: the executable, the pipeline chunks, verify and the fusion pass's buffer values all go
+through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from torch.fx import GraphModule, Node
+
+FXPAR_INPUT = "fxpar_input"
+FXPAR_ORIGIN = "fxpar_origin"
+FXPAR_PLACEMENT = "fxpar_placement"
+FXPAR_COMM = "fxpar_comm"
+FXPAR_FUSED = "fxpar_fused"
+FXPAR_RECOMPUTE = "fxpar_recompute"
+
+# the collectives the tensor-parallel pass inserts (passes/ops.py): kind -> what it does, as `fxpar show` says it
+COMM_KINDS = {
+    "f": "f: all-reduce in backward",
+    "g": "g: all-reduce",
+    "gather": "all-gather",
+    "scatter": "scatter (all-gather in backward)",
+    "vocab_embedding": "vocab lookup + all-reduce",
+}
+FORWARD_IDENTITY = frozenset({"f"})  # collectives whose forward moves no data (allowed inside recomputed regions)
+
+PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY = "parameter", "buffer", "constant", "user", "boundary"
+INPUT_KINDS = (PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY)
+STATE_KINDS = (PARAMETER, BUFFER)
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """What one placeholder of a graph stands for.
+
+    kind   parameter | buffer (key: the model's state_dict key), constant (key: the lifted constant's name),
+           user (index: position among the flattened user inputs), boundary (index: position among the values
+           received from the previous pipeline chunk; key: that value's node name, for messages)
+    """
+
+    kind: str
+    key: str = ""
+    index: int = -1
+
+    def __post_init__(self):
+        if self.kind not in INPUT_KINDS:
+            raise ValueError(f"GraphInput kind must be one of {INPUT_KINDS}, got {self.kind!r}")
+        if self.kind in (USER, BOUNDARY) and self.index < 0:
+            raise ValueError(f"GraphInput of kind {self.kind} needs an index >= 0, got {self.index}")
+        if self.kind in (PARAMETER, BUFFER, CONSTANT) and not self.key:
+            raise ValueError(f"GraphInput of kind {self.kind} needs a key")
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind in STATE_KINDS
+
+
+def input_of(node: Node) -> GraphInput:
+    """The GraphInput of a placeholder (every placeholder of an fxpar graph has one)."""
+    gi = node.meta.get(FXPAR_INPUT)
+    if gi is None:
+        raise KeyError(f"placeholder {node.name} has no {FXPAR_INPUT} record: the graph was not made by fxpar.trace")
+    return gi
+
+
+def placeholders(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def graph_inputs(gm: GraphModule) -> tuple[GraphInput, ...]:
+    """The GraphInput of every placeholder of gm, in call order."""
+    return tuple(input_of(n) for n in placeholders(gm))
+
+
+def param_nodes(gm: GraphModule) -> set[Node]:
+    """The placeholders of gm that are parameters."""
+    return {n for n in placeholders(gm) if input_of(n).kind == PARAMETER}
+
+
+def resolve_inputs(inputs: Sequence[GraphInput], state: Mapping[str, object], constants: Mapping[str, object],
+                   user: Sequence = (), boundary: Sequence = ()) -> list:
+    """The values to call a graph with, one per GraphInput ([Note: one resolver]).
+
+    Args:
+        state: tensors by state_dict key (parameters and buffers; tied keys may map to one tensor).
+        constants: lifted tensor constants by name.
+        user: the call's flattened user inputs; boundary: the values received from the previous chunk.
+    """
+    out = []
+    for gi in inputs:
+        if gi.kind in STATE_KINDS:
+            out.append(state[gi.key])
+        elif gi.kind == CONSTANT:
+            out.append(constants[gi.key])
+        elif gi.kind == USER:
+            out.append(user[gi.index])
+        else:
+            out.append(boundary[gi.index])
+    return out
+
+
+def comm_kind(node: Node) -> str | None:
+    """The collective a node calls (a COMM_KINDS key), or None."""
+    return node.meta.get(FXPAR_COMM)
+
+
+def copy_meta(src: Node, dst: Node, keys=("val", "nn_module_stack", "stack_trace", FXPAR_PLACEMENT)) -> None:
+    """Copy the value-describing metadata of src to dst (a node that computes the same value)."""
+    for key in keys:
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
