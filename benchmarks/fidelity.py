@@ -30,22 +30,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-_examples = os.path.join(ROOT, "examples")
-if _examples not in sys.path:
-    sys.path.insert(0, _examples)
+if __package__:  # imported as benchmarks.fidelity (the tests)
+    from benchmarks import common
+else:  # run as a script: benchmarks/ is sys.path[0]
+    import common
 
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
@@ -90,42 +86,18 @@ def build(cfg: GPTConfig, batch: int, c: tuple):
 def run_rank(cfg: GPTConfig, batch: int, configs: list, rounds: int, warmup: int) -> dict:
     """Time every config of this world size, interleaved; returns {config: [seconds per round, max over ranks]}."""
     steps = {c: build(cfg, batch, c) for c in configs}
-    for _ in range(warmup):
-        for fn in steps.values():
-            fn()
-    times = {c: [] for c in configs}
-    for r in range(rounds):
-        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[c]()
-            times[c].append(time.perf_counter() - start)
-    sample = torch.tensor([times[c] for c in configs], dtype=torch.float64)
-    dist.all_reduce(sample, op=dist.ReduceOp.MAX)
-    return {c: sample[i].tolist() for i, c in enumerate(configs)}
+    timed = common.time_rounds(steps, rounds, warmup=warmup, barrier=True, reduce=dist.ReduceOp.MAX)
+    return timed["times"]
 
 
-def _spawned(rank: int, world: int, args, store_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    try:
-        times = run_rank(gpt_config(args), args.batch, CONFIGS[world], args.rounds, args.warmup)
-        if rank == 0:
-            with open(os.path.join(store_dir, "result.pkl"), "wb") as f:
-                pickle.dump(times, f)
-    finally:
-        dist.destroy_process_group()
+def _measure_rank(args) -> dict:
+    """One rank of a spawned world: the configs of its world size, timed."""
+    return run_rank(gpt_config(args), args.batch, CONFIGS[dist.get_world_size()], args.rounds, args.warmup)
 
 
 def measure(args, world: int) -> dict:
     """{config: [seconds per round]} of one spawned world."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="fxpar-fidelity-") as store_dir:
-        mp.spawn(_spawned, args=(world, args, store_dir), nprocs=world, join=True)
-        with open(os.path.join(store_dir, "result.pkl"), "rb") as f:
-            return pickle.load(f)
+    return common.spawn(_measure_rank, args, nproc=world, timeout=300.0)
 
 
 # ---- prediction and statistics -----------------------------------------------------------------------------------
@@ -252,7 +224,7 @@ def main(argv=None) -> list[dict]:
     drifts over minutes; a calibration predicts the steps of its own time). Medians over passes of both."""
     args = _parse(argv)
     cfg = gpt_config(args)
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the spawned ranks
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by `fxpar calibrate` and the ranks
     start_load = os.getloadavg()[0]
     samples = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}
     predictions = {w: {c: [] for c in CONFIGS[w]} for w in args.worlds}

@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "examples")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if __package__:  # imported as benchmarks.fusion (the tests)
+    from benchmarks import common
+else:  # run as a script: benchmarks/ is sys.path[0]
+    import common
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -115,33 +113,30 @@ def make(cfg: GPTConfig, batch: int):
 
 
 def time_variants(pm, ids, gms, rounds: int, steps: int, warmup: int) -> dict:
-    """Per variant and round: mean wall and CPU (process_time) seconds per step, and one forward's wall time."""
-    times, cpu, forward = ({name: [] for name in gms} for _ in range(3))
-    names = list(gms)
-    for name in names:
-        pm.__dict__["graph_module"] = gms[name]
-        for _ in range(warmup):
+    """Per variant and round: mean wall and CPU (process_time) seconds per step, and, right after the variant's steps
+    of the round, one forward's wall time."""
+    forward = {name: [] for name in gms}
+
+    def step_of(gm):
+        def step():
+            pm.__dict__["graph_module"] = gm
             _step(pm, ids)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            pm.__dict__["graph_module"] = gms[name]
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                _step(pm, ids)
-            times[name].append((time.perf_counter() - start) / steps)
-            cpu[name].append((time.process_time() - start_cpu) / steps)
-            start = time.perf_counter()
-            with torch.no_grad():
-                _forward(pm, ids)
-            forward[name].append(time.perf_counter() - start)
-    return {"times": times, "cpu": cpu, "forward": forward}
+        return step
+
+    def time_forward(name):  # pm still holds the graph of `name`
+        start = time.perf_counter()
+        with torch.no_grad():
+            _forward(pm, ids)
+        forward[name].append(time.perf_counter() - start)
+
+    timed = common.time_rounds({name: step_of(gm) for name, gm in gms.items()}, rounds, steps, warmup,
+                               after=time_forward)
+    return {"times": timed["times"], "cpu": timed["cpu"], "forward": forward}
 
 
-def _ratio(samples: dict, name: str, base: str) -> tuple[float, float, float]:
-    """Median and quartiles over rounds of base/name within each round (> 1: name is faster)."""
-    r = [b / a for a, b in zip(samples[name], samples[base])]
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
-    return statistics.median(r), q[0], q[2]
+def _speedup(samples: dict, name: str) -> tuple[float, float, float]:
+    """Median and quartiles over rounds of unfused/name within each round (> 1: name is faster)."""
+    return common.paired_ratio(samples, "unfused", name, method="exclusive")
 
 
 def format_table(result: dict) -> str:
@@ -153,8 +148,8 @@ def format_table(result: dict) -> str:
     for name in result["times"]:
         med, cpu_ms = (statistics.median(result[k][name]) * 1e3 for k in ("times", "cpu"))
         fwd = statistics.median(result["forward"][name]) * 1e3
-        ratio, q1, q3 = _ratio(result["times"], name, "unfused")
-        cpu_ratio = _ratio(result["cpu"], name, "unfused")[0]
+        ratio, q1, q3 = _speedup(result["times"], name)
+        cpu_ratio = _speedup(result["cpu"], name)[0]
         extra = ""
         if "/" in name:  # the extra step time over its base, in forwards
             extra = f"{(cpu_ms - statistics.median(result['cpu'][name.split('/')[0]]) * 1e3) / fwd:.2f}"

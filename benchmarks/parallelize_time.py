@@ -17,17 +17,15 @@ Run:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-_EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
-if _EXAMPLES not in sys.path:
-    sys.path.insert(0, _EXAMPLES)
+if __package__:  # imported as benchmarks.parallelize_time (the tests)
+    from benchmarks import common  # noqa: F401 (sets up sys.path)
+else:  # run as a script: benchmarks/ is sys.path[0]
+    import common  # noqa: F401 (sets up sys.path)
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

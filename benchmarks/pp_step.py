@@ -28,22 +28,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (HERE, os.path.join(os.path.dirname(HERE), "examples")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if __package__:  # imported as benchmarks.pp_step (the tests)
+    from benchmarks import common
+else:  # run as a script: benchmarks/ is sys.path[0]
+    import common
 
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
-from launch import launch  # noqa: E402
 
 SCHEDULES = {"1f1b": 1, "interleaved": 2}  # schedule -> chunks per rank v
 VARIANTS = tuple(f"{impl} {s}" for s in SCHEDULES for impl in ("fxpar", "torch"))
@@ -175,26 +171,11 @@ def run_rank(cfg: GPTConfig, batch: int, microbatches: int, rounds: int, steps: 
             raise AssertionError(f"{name}: no rank holds the gradients of {sorted(missing)}")
 
     step_fns = {name: _train_step(pipes[name], ids, target) for name in VARIANTS}
-    for _ in range(warmup):
-        for fn in step_fns.values():
-            fn()
-    times = {name: [] for name in VARIANTS}
-    cpu = {name: [] for name in VARIANTS}
-    for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]  # rotate: none always runs first
-        for name in order:
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step_fns[name]()
-            times[name].append((time.perf_counter() - start) / steps)
-            cpu[name].append((time.process_time() - start_cpu) / steps)
-    sample = torch.tensor([times[name] for name in VARIANTS], dtype=torch.float64)
-    dist.all_reduce(sample, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    cpu_sample = torch.tensor([cpu[name] for name in VARIANTS], dtype=torch.float64)
-    dist.all_reduce(cpu_sample)  # CPU seconds of all ranks (gloo's threads included): the work, less the waiting
-    return {"times": {name: sample[i].tolist() for i, name in enumerate(VARIANTS)}, "errors": errors, "peer": peer,
-            "cpu": {name: cpu_sample[i].tolist() for i, name in enumerate(VARIANTS)},
+    # wall: a step is as slow as its slowest rank; CPU: the seconds of all ranks (gloo's threads included), the
+    # work less the waiting
+    timed = common.time_rounds(step_fns, rounds, steps, warmup, barrier=True, reduce=dist.ReduceOp.MAX,
+                               reduce_cpu=dist.ReduceOp.SUM)
+    return {"times": timed["times"], "errors": errors, "peer": peer, "cpu": timed["cpu"],
             "config": dict(vars(cfg)) | {"batch": batch, "m": microbatches, "p": dist.get_world_size(),
                                          "rounds": rounds, "steps": steps}}
 
@@ -220,11 +201,6 @@ def _train_step(pipe, ids, target, lr: float = 1e-3):
 
 # ---- report ------------------------------------------------------------------------------------------------------
 
-def _paired(result: dict, name: str, base: str, key: str = "times") -> list[float]:
-    """Per-round ratios name/base: both ran in the same round, so load drift on the machine mostly cancels."""
-    return [a / b for a, b in zip(result[key][name], result[key][base])]
-
-
 def format_table(result: dict) -> str:
     from tabulate import tabulate
 
@@ -233,10 +209,9 @@ def format_table(result: dict) -> str:
         impl, sched = name.split(" ", 1)
         ratio, iqr, cpu_ratio = None, "", None
         if impl == "fxpar":
-            vs = _paired(result, name, f"torch {sched}")
-            q = statistics.quantiles(vs, n=4, method="inclusive") if len(vs) > 1 else vs * 3
-            ratio, iqr = statistics.median(vs), f"{q[0]:.3f}-{q[2]:.3f}"
-            cpu_ratio = statistics.median(_paired(result, name, f"torch {sched}", "cpu"))
+            ratio, q1, q3 = common.paired_ratio(result["times"], name, f"torch {sched}")
+            iqr = f"{q1:.3f}-{q3:.3f}"
+            cpu_ratio = common.paired_ratio(result["cpu"], name, f"torch {sched}")[0]
         loss_err, grad_err = result["errors"][name]
         rows.append([name, SCHEDULES[sched], statistics.median(result["times"][name]) * 1e3, ratio, iqr,
                      statistics.median(result["cpu"][name]) * 1e3, cpu_ratio, f"{loss_err:.1e}", f"{grad_err:.1e}",
@@ -285,7 +260,7 @@ def _run(args) -> dict:
 def main(argv=None) -> dict:
     """Run the benchmark, print its table, and return the result (rank 0's; {} on other torchrun ranks)."""
     args = _parse(argv)
-    result = launch(_run, args)
+    result = common.launch(_run, args)
     if not result:
         return {}  # a torchrun rank other than 0
     print(format_table(result), flush=True)

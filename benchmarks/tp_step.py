@@ -31,23 +31,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
-import sys
-import time
 import types
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (HERE, os.path.join(os.path.dirname(HERE), "examples")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if __package__:  # imported as benchmarks.tp_step (the tests)
+    from benchmarks import common
+else:  # run as a script: benchmarks/ is sys.path[0]
+    import common
 
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
-from launch import launch  # noqa: E402
 from megatron_gpt import MegatronGPT, shard  # noqa: E402
 
 VARIANTS = ("fxpar", "hand-written", "DTensor")
@@ -173,26 +169,10 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, c
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         errors = {name: (err[2 * i].item(), err[2 * i + 1].item()) for i, name in enumerate(VARIANTS)}
 
-    step_fns = {name: _train_step(m, ids, target) for name, m in models.items()}
-    for _ in range(warmup):
-        for fn in step_fns.values():
-            fn()
-    times = {name: [] for name in VARIANTS}
-    cpu = {name: [] for name in VARIANTS}
-    for r in range(rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]  # rotate, so that no variant always runs first
-        for name in order:
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step_fns[name]()
-            times[name].append((time.perf_counter() - start) / steps)
-            cpu[name].append((time.process_time() - start_cpu) / steps)
-    sample = torch.tensor([times[name] for name in VARIANTS] + [cpu[name] for name in VARIANTS], dtype=torch.float64)
-    dist.all_reduce(sample, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    n = len(VARIANTS)
-    return {"times": {name: sample[i].tolist() for i, name in enumerate(VARIANTS)},
-            "cpu": {name: sample[n + i].tolist() for i, name in enumerate(VARIANTS)}, "errors": errors,
+    step_fns = {name: _train_step(models[name], ids, target) for name in VARIANTS}
+    timed = common.time_rounds(step_fns, rounds, steps, warmup, barrier=True,
+                               reduce=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return {"times": timed["times"], "cpu": timed["cpu"], "errors": errors,
             "config": dict(vars(cfg)) | {"batch": batch, "t": t, "rounds": rounds, "steps": steps}}
 
 
@@ -209,22 +189,16 @@ def _train_step(model, ids, target, lr: float = 1e-3):
 
 # ---- report ------------------------------------------------------------------------------------------------------
 
-def _paired(result: dict, name: str, base: str) -> list[float]:
-    """Per-round ratios name/base: both ran in the same round, so load drift on the machine mostly cancels."""
-    return [a / b for a, b in zip(result["times"][name], result["times"][base])]
-
-
 def format_table(result: dict) -> str:
     from tabulate import tabulate
 
     rows = []
     for name in VARIANTS:
-        vs_hand = _paired(result, name, "hand-written")
-        q = statistics.quantiles(vs_hand, n=4, method="inclusive") if len(vs_hand) > 1 else vs_hand * 3
+        vs_hand, q1, q3 = common.paired_ratio(result["times"], name, "hand-written")
+        vs_dtensor = common.paired_ratio(result["times"], name, "DTensor")[0]
         loss_err, grad_err = result["errors"].get(name, (float("nan"), float("nan")))
         rows.append([name, statistics.median(result["times"][name]) * 1e3, min(result["times"][name]) * 1e3,
-                     statistics.median(result["cpu"][name]) * 1e3, statistics.median(vs_hand),
-                     f"{q[0]:.3f}-{q[2]:.3f}", statistics.median(_paired(result, name, "DTensor")),
+                     statistics.median(result["cpu"][name]) * 1e3, vs_hand, f"{q1:.3f}-{q3:.3f}", vs_dtensor,
                      f"{loss_err:.1e}", f"{grad_err:.1e}"])
     c = result["config"]
     head = (f"t={c['t']} train step (fwd+bwd+SGD), GPT layers={c['layers']} hidden={c['hidden']} heads={c['heads']} "
@@ -265,7 +239,7 @@ def _run(args) -> dict:
 def main(argv=None) -> dict:
     """Run the benchmark, print its table, and return the result (rank 0's; {} on other torchrun ranks)."""
     args = _parse(argv)
-    result = launch(_run, args)
+    result = common.launch(_run, args)
     if not result:
         return {}  # a torchrun rank other than 0
     print(format_table(result), flush=True)
