@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,6 +15,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)  # one-process tests only: no gloo ranks, no torchrun, nothing slow
+	$(PY) -m pytest -q tests -m "not gloo and not torchrun and not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/tp_step.py

@@ -38,9 +38,13 @@ else:  # run as a script: benchmarks/ is sys.path[0]
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from fxpar.api import build  # noqa: E402
-from fxpar.passes.fusion import fusion_pass, placeholder_values  # noqa: E402
+from fxpar.config import Config  # noqa: E402
+from fxpar.cost.memory import activation_bytes_per_layer  # noqa: E402
+from fxpar.cost.shape import ModelShape  # noqa: E402
+from fxpar.measure import saved_activation_bytes  # noqa: E402
+from fxpar.passes.fusion import fusion_pass  # noqa: E402
 from fxpar.passes.ops import TPComm  # noqa: E402
-from fxpar.passes.recompute import korthikanti_bytes, recompute_pass, saved_activation_bytes  # noqa: E402
+from fxpar.passes.recompute import recompute_pass  # noqa: E402
 
 VARIANTS = ("unfused", "fused", "unfused/selective", "unfused/full", "fused/selective", "fused/full")
 TOL = 1e-5
@@ -108,8 +112,8 @@ def make(cfg: GPTConfig, batch: int):
     torch.manual_seed(0)
     model = GPT(cfg)
     ids = torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    pm = build(model, TPComm(0, 1), (ids,))
-    return pm, ids, placeholder_values(pm.traced.inputs, dict(model.named_buffers()), pm.traced.constants)
+    pm = build(model, TPComm(0, 1), (ids,), config=Config(fuse=False))  # the unfused graph; variants from it
+    return pm, ids, pm.traced.values(dict(model.named_buffers()))
 
 
 def time_variants(pm, ids, gms, rounds: int, steps: int, warmup: int) -> dict:
@@ -162,7 +166,8 @@ def format_table(result: dict) -> str:
                   f"{'variant':<18} {'measured':>12} {'formula x2':>12} {'ratio':>6}"]
         for name, saved in result["saved"].items():
             mode = name.split("/")[1] if "/" in name else "none"
-            formula = 2 * korthikanti_bytes(s, b, h, a, 1, mode)
+            shape = ModelShape(layers=c["layers"], hidden=h, heads=a, seq=s, vocab=c["vocab"])
+            formula = 2 * activation_bytes_per_layer(shape, b, 1, mode)
             lines.append(f"{name:<18} {saved:>12.0f} {formula:>12.0f} {saved / formula:>6.2f}")
     return "\n".join(lines)
 

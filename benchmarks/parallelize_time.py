@@ -1,13 +1,13 @@
 """Benchmark: how long fxpar's parallelize() takes on GPT-2-small-shaped models of 12 and 48 layers.
 
-parallelize() is build(): trace (torch.export, non-strict) -> analysis + the rewrite passes (compile_tp) -> this
-rank's ParallelModule (copies its shards of the weights) and the plan. Here build runs for rank 0 of t=2 with no
+parallelize() is build(): the compiler's stages (fxpar/compiler.py STAGES: trace with torch.export, then analysis,
+the rewrite passes, partition, compile) -> this rank's ParallelModule (copies its shards of the weights) and the plan. Here build runs for rank 0 of t=2 with no
 process group (TPComm(rank=0, size=2) simulates the rank), so it needs only one process. The model is examples/gpt.py
 with GPT-2 small's dimensions (hidden 768, 12 heads, vocabulary 50257, which t=2 does not divide: the vocabulary
 stays replicated, as the plan says; --vocab 50304 pads it as nanoGPT does).
 
-Columns: trace = trace() alone; analysis+rewrite = compile_tp() on that trace; build = the whole build() (a fresh
-trace included), each the median of --repeats runs after one untimed warm-up (the first export in a process pays
+Columns: trace = the trace stage alone; analysis+rewrite = the stages after it on that trace; build = the whole
+build() (a fresh trace included), each the median of --repeats runs after one untimed warm-up (the first export in a process pays
 one-time costs); every repeat builds each depth in turn, so that drifting load on the machine hits all depths alike. Compile time should grow linearly with depth: the 48/12 row shows the ratios, ~4 when linear.
 
 Run:
@@ -39,23 +39,24 @@ def _gpt(layers: int, args) -> tuple[GPT, torch.Tensor]:
 
 
 def time_build_once(model, ids, t: int = 2) -> dict:
-    """Seconds of trace, compile_tp on that trace, and a whole build, for rank 0 of t (simulated)."""
+    """Seconds of the trace stage, the stages after it on that trace, and a whole build, for rank 0 of t
+    (simulated)."""
     from fxpar.api import build
-    from fxpar.compiler import compile_tp
+    from fxpar.compiler import STAGES, Compiled, Target, run_stages
     from fxpar.config import Config
     from fxpar.passes.ops import TPComm
-    from fxpar.trace import trace
 
     comm = TPComm(rank=0, size=t)
+    record = Compiled(model, (ids,), {}, Target(comm), Config())
     start = time.perf_counter()
-    traced = trace(model, (ids,))
+    run_stages(record, STAGES[:1])
     mid = time.perf_counter()
-    compile_tp(traced, comm, Config(), {})
+    run_stages(record, STAGES[1:])
     end = time.perf_counter()
     pm = build(model, comm, (ids,))
     done = time.perf_counter()
     return {"trace": mid - start, "analysis+rewrite": end - mid, "build": done - end,
-            "nodes": len(traced.gm.graph.nodes), "sharded regions": len(pm.plan.sharded_regions)}
+            "nodes": len(record.traced.gm.graph.nodes), "sharded regions": len(pm.plan.sharded_regions)}
 
 
 def run(args) -> dict[int, dict]:

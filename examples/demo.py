@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fxpar  # noqa: E402
-from gpt import GPTConfig, factory, loss_fn  # noqa: E402
+from gpt import factory, loss_fn  # noqa: E402
 
 
 def main():

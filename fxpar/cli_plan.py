@@ -139,7 +139,6 @@ def format_plan(result: PlanResult, top: int, tokens: float | None, days: float 
         lines.append("rejected:")
         lines.extend(f"  {reason}: {count} (e.g. {example})" for reason, (count, example) in result.rejected.items())
     if days is not None:
-        best = result.best
         lines.append(f"training {tokens:.3g} tokens: {days:.1f} days (Eq. 4: 8 T P / (n X), X = "
                      f"{eq4_flops_per_gpu(result) / 1e12:.1f} TFLOP/s per GPU counted with full recomputation)")
     return "\n".join(lines)

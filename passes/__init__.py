@@ -1,1 +1,23 @@
-"""passes."""
+"""fxpar.passes: the compiler's middle layer (this folder, passes/, is installed as the package fxpar.passes).
+
+The repository's three top-level code folders are three packages, mapped in pyproject.toml's package-dir:
+fxpar/ -> fxpar, passes/ -> fxpar.passes, cost/ -> fxpar.cost (a source checkout resolves them the same way; see
+fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing here imports fxpar's own modules.
+
+    meta.py            typed node metadata: GraphInput records, placement / collective / fusion tags, one resolver
+    placements.py      Replicate, Partial, Shard (with the head-interleaved layout)
+    rules.py, reshape.py, fused.py
+                       one sharding rule per ATen op family; views; fused projections (Q|K|V, gate|up)
+    analysis.py, vocab.py, plan.py
+                       regions of column- then row-parallel GEMMs, the vocab-parallel embedding and head; the plan
+    tp.py, ops.py      the tensor-parallel rewrite and the collectives it inserts (f, g, gather, scatter)
+    local_shapes.py    this rank's shapes on every node
+    fusion.py (fuse_attention.py, fuse_dropout.py, fuse_gelu.py, fusion_match.py, fused_ops.py)
+                       attention -> SDPA, bias+dropout+add, bias+GeLU
+    recompute.py       activation recomputation (full, selective)
+    layers.py          what a transformer layer is (the repeated blocks of the module tree)
+    partition.py       p*v pipeline chunks and their boundaries
+    schedules.py, lower_schedule.py, simulate.py, proofs.py
+                       schedules as data, lowering to the runtime's program, replay, the proofs run before every step
+fxpar/compiler.py runs them, in order, as its STAGES.
+"""

@@ -10,7 +10,7 @@ from torch.fx import GraphModule, Node
 
 from . import fused_ops
 from .fusion_match import done, erase, is_call, match_biased, new_node, only_user, split_bias, val
-from .meta import FORWARD_IDENTITY, comm_kind
+from .meta import comm_kind
 
 aten = torch.ops.aten
 _RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,

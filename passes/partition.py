@@ -3,7 +3,13 @@
 Glossary
     block     the repeated module of the model (GPT's `h.N`, Llama's `model.layers.N`): the main block of
               passes/layers.py, found from nn_module_stack.
-    chunk     a contiguous run of layers; chunk i runs on pipeline rank i mod p ([Note: pipeline ownership]).
+    chunk     a contiguous run of layers; chunk i runs on pipeline rank i mod p ([Note: boundaries carry placements]
+    A value crosses a boundary as this rank holds it, with its placement (BoundaryValue.placement). Only Replicate
+    values may use scatter/gather (each tp rank sends its 1/t, the receiver all-gathers): they are identical on
+    every tp rank. A Shard value goes from tp rank i to tp rank i whole; a Partial value must be reduced (g) in its
+    own chunk, which the proofs check.
+
+[Note: pipeline ownership]).
               The embedding (everything before the first layer) joins chunk 0; the head and the model's outputs
               join the last chunk.
     boundary  the values a chunk hands to the next: every value made from parameters in an earlier chunk and used

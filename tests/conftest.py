@@ -4,6 +4,9 @@
   directory and under either pytest import mode. Spawned ranks inherit this ``sys.path``, so they can
   import the test module that defines a scenario (``test_foo`` or ``tests.test_foo``) by name.
 * After each test module, fails if it left child processes running (an unclosed ``RankPool``).
+* Sorts tests by cost with markers (pyproject.toml lists them): a test that takes a ``pool*`` fixture is marked
+  ``gloo`` here; tests that start ranks, torchrun or long runs by other means are marked where they are written.
+  ``make test-fast`` runs the rest: one process, seconds.
 """
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(name.startswith("pool") for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.gloo)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import parallelize_time, tp_step
 
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
 TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "64"]
 
 

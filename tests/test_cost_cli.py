@@ -65,6 +65,8 @@ def test_plan_target_tiny(capsys):
     assert (out["layers"], out["hidden"], out["heads"], out["seq"], out["vocab"]) == (4, 64, 4, 32, 128)
 
 
+@pytest.mark.gloo
+@pytest.mark.slow
 def test_calibrate_quick_then_plan_locally(tmp_path, capsys):
     path = tmp_path / "local.json"
     assert run(["calibrate", "--quick", "--out", str(path)]) == 0
@@ -81,6 +83,7 @@ def test_calibrate_quick_then_plan_locally(tmp_path, capsys):
     assert 0 < one and plan(shape, 2, local).best.seconds > 0
 
 
+@pytest.mark.slow
 def test_plan_gpt3_175b_on_the_meta_device_under_60s_and_2gb():
     """The 175B factory really traced (96 layers, h = 12288), in a fresh process; RSS of that process only."""
     command = [sys.executable, "-m", "fxpar.cli", "plan", f"{EXAMPLE}:factory", "--batch", "1536", "--gpus",

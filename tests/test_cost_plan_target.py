@@ -1,5 +1,4 @@
 """Reading (l, h, a, s, V, f) from a model traced on the meta device."""
-import sys
 from pathlib import Path
 
 import pytest

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from tests.harness import RankFailure, RankPool, module_pool, rank, world_size
 
+pytestmark = [pytest.mark.gloo]
+
 pool2 = module_pool(2)
 
 

@@ -83,6 +83,7 @@ def _dying_rank(rank, path, queue):
         queue.put((str(e), time.time() - start))
 
 
+@pytest.mark.gloo
 def test_dead_rank_is_named():
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

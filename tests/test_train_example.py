@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.torchrun, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SMALL = ["--steps", "3", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "8"]

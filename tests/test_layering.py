@@ -1,0 +1,82 @@
+"""The architecture, read from the sources: imports only point down (fxpar -> passes -> cost), cost/ is pure math,
+and stages talk through typed metadata, never through names."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(path: Path):
+    """(module imported, line) of every import in a file; relative imports resolved against its package."""
+    package = {"fxpar": "fxpar", "passes": "fxpar.passes", "cost": "fxpar.cost"}[path.parent.name]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            yield name, node.lineno
+
+
+def _sources(folder: str):
+    return sorted((ROOT / folder).glob("*.py"))
+
+
+@pytest.mark.parametrize("path", _sources("cost"), ids=lambda p: p.name)
+def test_cost_imports_only_the_standard_library_and_itself(path):
+    for name, line in _imports(path):
+        top = name.split(".")[0]
+        assert top in STDLIB or name.startswith("fxpar.cost"), f"cost/{path.name}:{line} imports {name}"
+
+
+@pytest.mark.parametrize("path", _sources("passes"), ids=lambda p: p.name)
+def test_passes_never_import_upward(path):
+    for name, line in _imports(path):
+        if name.startswith("fxpar"):
+            assert name.startswith(("fxpar.passes", "fxpar.cost")), f"passes/{path.name}:{line} imports {name}"
+
+
+def test_import_fxpar_cost_loads_no_torch():
+    code = "import sys, fxpar.cost; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_packages_resolve_from_a_plain_source_checkout(tmp_path):
+    """Without the editable install's mapping (its finder removed): only the repository root on sys.path."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+            "sys.path.insert(0, sys.argv[1]); import fxpar.passes.meta, fxpar.cost.pipeline; "
+            "print(fxpar.passes.meta.__file__, fxpar.cost.pipeline.__file__)")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], check=True, capture_output=True,
+                         text=True, cwd=tmp_path).stdout
+    assert str(ROOT / "passes" / "meta.py") in out and str(ROOT / "cost" / "pipeline.py") in out
+
+
+def _code_files():
+    return [p for folder in ("fxpar", "passes") for p in _sources(folder)]
+
+
+@pytest.mark.parametrize("needle", ['"tp_f_', '"tp_g_', "'tp_", 'startswith(("tp_', "fxpar_user_input",
+                                    "for name, kind, key in", '"embedding" in'])
+def test_no_stage_recognises_anything_by_name(needle):
+    """Collectives are tagged (meta[FXPAR_COMM]); graph inputs are GraphInput records resolved in one place."""
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in _code_files()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if needle in line]
+    assert not hits, f"{needle!r} found in {hits}"
+
+
+def test_no_file_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("fxpar", "passes", "cost", "tests", "benchmarks", "examples")
+            for p in _sources(folder) if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
