@@ -19,8 +19,10 @@ Glossary
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # placements are plain data; torch is only needed to move tensors (the schedule tools skip it)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ Placement = Replicate | Partial | Shard
 
 def local_shard(tensor: torch.Tensor, spec: Shard, rank: int, t: int) -> torch.Tensor:
     """Rank `rank`'s block of every part of `tensor` along spec.dim (see [Note: head-interleaved QKV])."""
+    import torch
+
     d = spec.dim
     assert tensor.shape[d] == spec.size, (tuple(tensor.shape), spec)
     x = tensor.unflatten(d, (spec.pre, sum(spec.parts), spec.post))
@@ -100,6 +104,8 @@ def local_shard(tensor: torch.Tensor, spec: Shard, rank: int, t: int) -> torch.T
 
 def unshard(locals_: list[torch.Tensor], spec: Shard) -> torch.Tensor:
     """Inverse of local_shard: the full tensor from every rank's local block, in rank order."""
+    import torch
+
     d, t = spec.dim, len(locals_)
     split = [x.unflatten(d, (spec.pre, sum(spec.parts) // t, spec.post)) for x in locals_]
     full_parts = []

@@ -1,0 +1,62 @@
+"""The compiler driver (fxpar/compiler.py): one ordered list of stages, one record of products, errors that name
+the stage, and a traced program that no stage rewrites."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpar.compiler import STAGES, Compiled, PassError, Target, compile_model, run_stages
+from fxpar.config import Config
+from fxpar.passes.meta import FXPAR_COMM, FXPAR_INPUT, FXPAR_PLACEMENT
+from fxpar.passes.ops import TPComm
+from tests import models
+
+
+def test_the_stage_list_is_the_whole_compiler():
+    assert [name for name, _, _ in STAGES] == [
+        "trace", "canonicalize", "analyze", "tensor_parallel", "local_shapes", "keep_tp_graph", "fuse", "recompute",
+        "partition", "schedule", "lower", "prove", "compile"]
+    assert all(hasattr(Compiled, product) or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)
+
+
+def test_every_product_lands_in_the_record_and_the_trace_stays_untouched():
+    model, args, kwargs = models.build("gpt")
+    c = compile_model(model, args, kwargs, Target(TPComm(0, 2)))
+    assert c.done == [name for name, _, _ in STAGES]
+    traced_code = c.traced.gm.code
+    assert "tp_g_0" not in traced_code and "tp_g_0" in c.gm.code  # the reference was never rewritten
+    assert c.tp_graph is not c.gm and c.traced.gm is not c.gm
+    assert c.partition.chunks[0].gm is c.gm and c.callables == {0: c.gm}  # no pipeline: one chunk, the graph
+    assert c.schedule is None and c.program is None and c.proof is None
+    assert all(FXPAR_INPUT in n.meta for n in c.gm.graph.nodes if n.op == "placeholder")
+    assert all(FXPAR_PLACEMENT in n.meta for n in c.gm.graph.nodes if n.op != "output")
+    comms = [n for n in c.gm.graph.nodes if n.op == "call_module" and FXPAR_COMM in n.meta]
+    assert comms and all(isinstance(n.meta["val"], torch.Tensor) for n in comms)  # inserted nodes carry values
+
+
+def test_a_pipelined_compile_proves_its_program():
+    model, args, kwargs = models.build("gpt8")
+    c = compile_model(model, args, kwargs, Target(TPComm(0, 2), pp=2, pipelined=True),
+                      Config(microbatches=2, virtual_stages=2, schedule="interleaved-1f1b"))
+    assert len(c.partition.chunks) == 4 and sorted(c.program.actions) == [0, 1]
+    assert c.proof.bubble_fraction > 0
+
+
+def test_bad_input_keeps_its_type_and_names_the_stage():
+    model, args, kwargs = models.build("gpt")  # 4 heads
+    with pytest.raises(ValueError, match=r"(?s)cannot split .* over t=3.*\(in fxpar compiler stage 'analyze', "
+                                         r"after trace, canonicalize\)"):
+        compile_model(model, args, kwargs, Target(TPComm(0, 3)))
+    with pytest.raises(ValueError, match=r"cannot cut 2 layers into p\*v = 4 chunks(?s:.*)stage 'partition'"):
+        compile_model(model, args, kwargs, Target(TPComm(0, 1), pp=2, pipelined=True),
+                      Config(microbatches=2, virtual_stages=2, schedule="interleaved-1f1b"))
+
+
+def test_an_internal_failure_is_a_pass_error_naming_the_stage():
+    def broken(c):
+        raise KeyError("no such node")
+
+    model, args, kwargs = models.build("gpt")
+    c = Compiled(model, args, kwargs, Target(TPComm(0, 1)), Config())
+    with pytest.raises(PassError, match=r"stage 'broken' failed \(after trace\): KeyError: 'no such node'"):
+        run_stages(c, STAGES[:1] + (("broken", "gm", broken),))
