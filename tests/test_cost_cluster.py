@@ -1,7 +1,5 @@
 """Clusters as data, and cost/ importing nothing of ours."""
-import ast
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
