@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fxpar.compiler import Target, compile_model
@@ -15,6 +17,7 @@ from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
 from fxpar.passes.ops import TPComm
 from fxpar.passes.plan import make_plan
+from fxpar.passes.rng import RandomStreams
 from fxpar.pipeline import PipelineModule
 
 
@@ -25,13 +28,15 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
     mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule."""
+    config = config or Config()
     pipelined = loss_fn is not None or pp > 1
     pp = mesh.size(0) if mesh is not None else pp
-    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined), config)
+    streams = _streams(config, comm, mesh, example_args)
+    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config)
     if loss_fn is not None and mesh is not None:
         pm = PipelineModule(model, compiled, mesh, loss_fn)
     else:
-        pm = ParallelModule(model, compiled)
+        pm = ParallelModule(model, compiled, mesh=mesh)
     partition = compiled.partition if pipelined else None
     pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)), partition, pp)
     if comm.size > 1 and not pm.plan.sharded_regions:
@@ -41,6 +46,20 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
             stacklevel=3,
         )
     return pm
+
+
+def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:
+    """This rank's random streams ([Note: random streams] in passes/rng.py), from one seed for every rank."""
+    seed = config.seed
+    if seed is None:
+        seed = torch.initial_seed() % 2**62
+        if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            shared = torch.tensor([seed], dtype=torch.int64, device=mesh.device_type)
+            dist.broadcast(shared, src=0)
+            seed = int(shared.item())
+    pp_rank, dp_rank = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp")) if mesh is not None else (0, 0)
+    device = next((x.device.type for x in example_args if isinstance(x, torch.Tensor)), "cpu")
+    return RandomStreams(seed, comm.rank, pp_rank, dp_rank, device if mesh is None else mesh.device_type)
 
 
 def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None,

@@ -24,15 +24,17 @@ from torch.fx import GraphModule
 
 from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
+from fxpar.passes.canonicalize import merge_aliases_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.local_shapes import local_shapes_pass
 from fxpar.passes.lower_schedule import Program, lower_program
-from fxpar.passes.meta import param_nodes
+from fxpar.passes.meta import FXPAR_ASSUMES, GraphInput, param_nodes
 from fxpar.passes.ops import TPComm
 from fxpar.passes.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.placements import Shard
 from fxpar.passes.proofs import prove
 from fxpar.passes.recompute import recompute_pass
+from fxpar.passes.rng import RandomStreams, random_streams_pass
 from fxpar.passes.schedules import build_schedule
 from fxpar.passes.simulate import SimResult
 from fxpar.passes.tp import tensor_parallel_pass
@@ -53,6 +55,12 @@ class Target:
     comm: TPComm  # rank and size of the tp group (group=None simulates the rank: shapes only)
     pp: int = 1  # pipeline ranks
     pipelined: bool = False  # trained with step() over a pipeline schedule (a loss_fn was given)
+    streams: RandomStreams | None = None  # this rank's random streams (passes/rng.py); None: seed 0
+    chunk_layers: tuple | None = None  # pin the layers of each chunk (a recompile keeps the first one's cut)
+
+    def __post_init__(self):
+        if self.streams is None:
+            self.streams = RandomStreams(0, self.comm.rank)
 
 
 @dataclass
@@ -73,6 +81,9 @@ class Compiled:
     program: Program | None = None  # the lowered schedule the runtime runs (pipelined only)
     proof: SimResult | None = None  # the replay that proved the program (pipelined only)
     callables: dict[int, Callable] | None = None  # chunk index -> what runs it (compiled with Config.compile)
+    buffers: dict | None = None  # buffer values the fusion may rely on (default: the model's)
+    assumed: dict[GraphInput, torch.Tensor] = field(default_factory=dict)  # values a rewrite relied on (fuse)
+    expected_state: dict | None = None  # key -> the fake value each weight was traced with (the executable's check)
     done: list[str] = field(default_factory=list)
 
     @property
@@ -87,8 +98,19 @@ def _trace(c: Compiled) -> Traced:
 
 
 def _canonicalize(c: Compiled) -> GraphModule:
-    """The working copy of the traced program (its nodes keep their names and metadata)."""
-    return GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
+    """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
+    tensor (tied weights are one parameter)."""
+    gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
+    return merge_aliases_pass(gm, canonical_keys(c.model))
+
+
+def canonical_keys(model: nn.Module) -> dict[str, str]:
+    """Every parameter and buffer key -> the first key of its tensor (the one the executable registers)."""
+    first: dict[int, str] = {}
+    out = {}
+    for key, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        out[key] = first.setdefault(id(t), key)
+    return out
 
 
 def _analyze(c: Compiled) -> Analysis:
@@ -113,8 +135,16 @@ def _keep_tp_graph(c: Compiled) -> GraphModule:
 def _fuse(c: Compiled) -> GraphModule:
     if not c.config.fuse:
         return c.gm
-    state = dict(c.model.named_buffers(remove_duplicate=False))
-    return fusion_pass(c.gm, c.traced.values(state))
+    state = c.buffers if c.buffers is not None else dict(c.model.named_buffers(remove_duplicate=False))
+    values = c.traced.values(state)
+    gm = fusion_pass(c.gm, values)
+    used = {gi for n in gm.graph.nodes for gi in n.meta.get(FXPAR_ASSUMES, ())}
+    c.assumed = {gi: values[gi].detach().clone() for gi in used}  # checked before each call (the executable)
+    return gm
+
+
+def _random_streams(c: Compiled) -> GraphModule:
+    return random_streams_pass(c.gm, c.target.streams)
 
 
 def _recompute(c: Compiled) -> GraphModule:
@@ -124,7 +154,7 @@ def _recompute(c: Compiled) -> GraphModule:
 def _partition(c: Compiled) -> Partition:
     if not c.target.pipelined:
         return whole_graph(c.gm)
-    return partition_pass(c.gm, c.target.pp * c.config.virtual_stages)
+    return partition_pass(c.gm, c.target.pp * c.config.virtual_stages, c.target.chunk_layers)
 
 
 def _schedule(c: Compiled) -> dict | None:
@@ -158,12 +188,13 @@ def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
 STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     # name             product        what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
-    ("canonicalize", "gm", _canonicalize),  # the working copy the graph passes rewrite
+    ("canonicalize", "gm", _canonicalize),  # the working copy the graph passes rewrite; tied weights merged
     ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
     ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, bias+GeLU (Config.fuse)
+    ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
@@ -198,7 +229,9 @@ def _same_kind(e: Exception, message: str) -> Exception:
 
 
 def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | None, target: Target,
-                  config: Config | None = None) -> Compiled:
-    """Compile `model` for one rank: every stage of STAGES. The model itself is not modified."""
-    c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config())
+                  config: Config | None = None, buffers: dict | None = None) -> Compiled:
+    """Compile `model` for one rank: every stage of STAGES. The model itself is not modified.
+
+    buffers: the buffer values the rewrites may rely on (a recompile passes the executable's own)."""
+    c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config(), buffers=buffers)
     return run_stages(c)

@@ -18,6 +18,8 @@ class Config:
     compile: bool = False  # torch.compile each chunk
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
+    seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
+    check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -34,3 +36,7 @@ class Config:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.bucket_mb <= 0:
             raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"Config.seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.check_replicas_every, int) or self.check_replicas_every < 0:
+            raise ValueError(f"Config.check_replicas_every must be an int >= 0, got {self.check_replicas_every!r}")

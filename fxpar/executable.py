@@ -1,8 +1,11 @@
-"""The per-rank executable: the compiled chunks plus this rank's local weights.
+"""The per-rank executable: the compiled programs plus this rank's local weights.
 
 Its parameters are registered under the original model's names (`transformer.h.0.attn.c_attn.weight`), holding the
-local shards, so any torch.optim optimizer works on them. Tied parameters are one Parameter here too. The graphs'
-inputs are resolved from their GraphInput records ([Note: one resolver] in passes/meta.py).
+local shards, so any torch.optim optimizer works on them. Tied parameters are one Parameter here too. Every call
+reads the weights the module holds now (fxpar/weights.py), resolves the graph's inputs from their GraphInput
+records ([Note: one resolver] in passes/meta.py), runs the program compiled for the current mode and non-tensor
+arguments ([Note: the program includes its context] in fxpar/programs.py), and restores grad mode, autocast and the
+random generators if it raises.
 """
 from __future__ import annotations
 
@@ -11,46 +14,43 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxpar.compiler import Compiled
+from fxpar.compiler import Compiled, canonical_keys
+from fxpar.guard import preserve_global_state
 from fxpar.passes.meta import resolve_inputs
 from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import local_shard, unshard
 from fxpar.passes.plan import Plan, WeightShard
+from fxpar.programs import Programs, describe_mismatch
+from fxpar.replicas import check_replicas
+from fxpar.weights import LiveState, check_state, expected_state, load_full_or_local
 
 
-def _register(root: nn.Module, key: str, value, buffer: bool, persistent: bool = True) -> None:
+def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
     *path, leaf = key.split(".")
     mod = root
     for p in path:
         if p not in mod._modules:
             mod.add_module(p, nn.Module())
         mod = mod._modules[p]
-    if buffer:
-        mod.register_buffer(leaf, value, persistent=persistent)
-    else:
-        mod.register_parameter(leaf, value)
+    return mod, leaf
 
 
 class ParallelModule(nn.Module):
     """`pm(*args)` returns what `model(*args)` returns; its parameters are this rank's shards."""
 
-    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None):
+    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None, mesh=None):
         """used_keys: the state keys this rank's chunks read (a pipeline stage holds only its own); None: all."""
         super().__init__()
-        self.__dict__["compiled"] = compiled
-        self.__dict__["traced"] = compiled.traced
-        self.__dict__["graph_module"] = compiled.callables[0]  # what runs the whole graph (not a submodule)
+        self.__dict__["_programs"] = Programs(compiled, model.training)
         self.comm: TPComm = compiled.target.comm
+        self.__dict__["streams"] = compiled.target.streams
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
-        self._aliases: dict[str, str] = {}  # every original key -> the key its tensor is registered under
-        by_id: dict[int, str] = {}
-        for key, tensor in originals.items():
-            by_id.setdefault(id(tensor), key)
-            self._aliases[key] = by_id[id(tensor)]
+        self._aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
         self._keys = list(model.state_dict(keep_vars=True))  # persistent keys, in the model's order
         self.specs = {self._aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
+        slots = {}
         for key, reg in self._aliases.items():
             if key != reg or (owned is not None and key not in owned):
                 continue
@@ -58,31 +58,91 @@ class ParallelModule(nn.Module):
             local = tensor.detach()
             if key in self.specs:
                 local = local_shard(local, self.specs[key], self.comm.rank, self.comm.size)
-            local = local.clone()
+            holder, leaf = _holder(self, key)
             if isinstance(tensor, nn.Parameter):
-                _register(self, key, nn.Parameter(local, requires_grad=tensor.requires_grad), buffer=False)
+                holder.register_parameter(leaf, nn.Parameter(local.clone(), requires_grad=tensor.requires_grad))
             else:
-                _register(self, key, local, buffer=True, persistent=key in self._keys)
-        registered = dict(self.named_parameters(remove_duplicate=False))
-        registered.update(self.named_buffers(remove_duplicate=False))
-        self._state = {key: registered[reg] for key, reg in self._aliases.items() if reg in registered}
+                holder.register_buffer(leaf, local.clone(), persistent=key in self._keys)
+            slots[key] = (holder, leaf)
+        self._slots = {key: slots[reg] for key, reg in self._aliases.items() if reg in slots}
+        self._live = LiveState(self._slots)
+        self.train(model.training)
+        self.__dict__["replica_groups"] = _replica_groups(mesh)
         self.plan: Plan | None = None
 
-    def chunk_inputs(self, chunk, flat_user: list, received: list = ()) -> list:
-        """The values of `chunk`'s placeholders: this rank's weights, constants, user inputs, received values."""
-        return resolve_inputs(chunk.inputs, self._state, self.traced.constants, flat_user, received)
+    # ---- programs -----------------------------------------------------------------------------------------------
+    @property
+    def compiled(self) -> Compiled:
+        """The program for the current mode and the traced example's arguments."""
+        first = self._programs.first
+        return self.program_for(first.traced.example_inputs)
 
-    def graph_inputs(self, flat_user: list) -> list:
-        """The inputs of the whole (unpartitioned) graph."""
-        return self.chunk_inputs(self.compiled.partition.chunks[0], flat_user)
+    @property
+    def traced(self):
+        return self._programs.first.traced
+
+    @property
+    def graph_module(self):
+        """What runs the whole graph of the current program (without a pipeline: its one chunk)."""
+        return self.compiled.callables[0]
+
+    def program_for(self, flat: list) -> Compiled:
+        return self._programs.get(self.training, flat, self._live, self._buffer_values)
+
+    def _buffer_values(self) -> dict:
+        """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
+        return {k: holder._buffers[leaf] for k, (holder, leaf) in self._slots.items() if leaf in holder._buffers}
+
+    def check_weights(self, program: Compiled, chunks=None) -> None:
+        """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
+        `chunks`, or all of them)."""
+        if program.expected_state is None:
+            program.expected_state = expected_state(program.partition.chunks if chunks is None else chunks)
+        check_state(self._live, program.expected_state)
 
     def flatten_inputs(self, args, kwargs) -> list:
-        return self.traced.flatten_call(args, kwargs)
+        """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
+        flat, spec = pytree.tree_flatten((tuple(args), kwargs or {}))
+        if spec != self.traced.in_spec:
+            raise ValueError(f"fxpar: {describe_mismatch(self.traced, args, kwargs)}. The parallel program was "
+                             "traced with the example's arguments. Fix: call with the same arguments as "
+                             "example_args/example_kwargs, or parallelize again with a matching example.")
+        self.traced.check_shapes(flat)
+        return flat
+
+    def chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
+        """The values of `chunk`'s placeholders: this rank's weights, constants, user inputs, received values."""
+        constants = (program or self._programs.first).traced.constants
+        return resolve_inputs(chunk.inputs, self._live, constants, flat_user, received)
+
+    def graph_inputs(self, flat_user: list) -> list:
+        """The inputs of the whole (unpartitioned) graph of the current program."""
+        program = self.program_for(flat_user)
+        return self.chunk_inputs(program.partition.chunks[0], flat_user, program=program)
 
     def forward(self, *args, **kwargs):
-        flat = self.flatten_inputs(args, kwargs)
-        out = self.graph_module(*self.graph_inputs(flat))
-        return pytree.tree_unflatten(list(out), self.traced.out_spec)
+        with preserve_global_state():
+            flat = self.flatten_inputs(args, kwargs)
+            program = self.program_for(flat)
+            self.check_weights(program)
+            chunk = program.partition.chunks[0]
+            out = program.callables[0](*self.chunk_inputs(chunk, flat, program=program))
+            return pytree.tree_unflatten(list(out), program.traced.out_spec)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load the original model's state (full tensors under its keys: each is sharded to this rank) or this
+        rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped."""
+        return load_full_or_local(self, state_dict, strict, assign)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart this rank's random streams from `seed` ([Note: random streams] in passes/rng.py); call it with
+        the same seed on every rank."""
+        self.streams.manual_seed(seed)
+
+    def check_replicas(self, grads: bool = False) -> None:
+        """Raise fxpar.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""
+        check_replicas(self, grads)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -92,10 +152,10 @@ class ParallelModule(nn.Module):
         full = {}
         for key in self._keys:
             reg = self._aliases[key]
-            if key not in self._state:
+            if key not in self._slots:
                 continue
             if reg not in full:
-                local = self._state[key].detach()
+                local = self._live[key].detach()
                 spec = self.specs.get(reg)
                 full[reg] = unshard(self.comm.all_gather(local), spec) if spec else local.clone()
             full[key] = full[reg]
@@ -104,12 +164,19 @@ class ParallelModule(nn.Module):
     def weight_shards(self, model_state: dict[str, torch.Tensor]) -> list[WeightShard]:
         rows = []
         for key in self._keys:
-            if key not in self._state:
+            if key not in self._slots:
                 continue  # held by another pipeline stage
             spec = self.specs.get(self._aliases[key])
             rows.append(WeightShard(key, tuple(model_state[key].shape), str(spec) if spec else "R",
-                                    tuple(self._state[key].shape)))
+                                    tuple(self._live[key].shape)))
         return rows
+
+
+def _replica_groups(mesh) -> dict:
+    """The groups across which this rank's weights have replicas: tp (for replicated weights) and dp (for all)."""
+    if mesh is None or not dist.is_initialized():
+        return {}
+    return {"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}
 
 
 def tp_comm(mesh) -> TPComm:
@@ -118,3 +185,4 @@ def tp_comm(mesh) -> TPComm:
         return TPComm(rank=0, size=1)
     group = mesh.get_group("tp")
     return TPComm(rank=mesh.get_local_rank("tp"), size=mesh.size(mesh.mesh_dim_names.index("tp")), group=group)
+

@@ -4,7 +4,9 @@
 runs the rank's lowered program (fxpar.runtime interprets it), all-reduces the gradients of parameters shared
 between stages (tied embeddings) and over the dp group, and returns the batch's mean loss on every rank. The
 optimizer then steps on `pm.parameters()`: only after the flush, so training stays strictly synchronous.
-Everything here comes from the compiler's record: the chunks, the program and its proof (fxpar/compiler.py).
+Everything here comes from the compiler's record: the chunks, the program and its proof (fxpar/compiler.py), one
+record per mode and non-tensor arguments ([Note: the program includes its context] in fxpar/programs.py), all cut
+into the same chunks, so this stage holds the same weights whichever runs.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpar.executable import ParallelModule
+from fxpar.guard import preserve_global_state
 from fxpar.passes.meta import PARAMETER
+from fxpar.programs import describe_mismatch
 from fxpar.runtime import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
 
 
@@ -28,22 +32,50 @@ def mesh_groups(mesh) -> Groups:
                   mesh.get_group("pp"), device)
 
 
+class Stage:
+    """One pipeline rank's view of one compiled program: its chunks, how to run one, and the loss."""
+
+    def __init__(self, pm: "PipelineModule", program):
+        self.pm, self.program = pm, program
+        self.chunks = {c.index: c for c in program.partition.chunks if c.index % pm.groups.pp == pm.groups.pp_rank}
+
+    def run_chunk(self, chunk, received: list, flat_user: list) -> list:
+        inputs = self.pm.chunk_inputs(chunk, flat_user, received, self.program)
+        return list(self.program.callables[chunk.index](*inputs))
+
+    def loss(self, outs: list, target) -> torch.Tensor:
+        return self.pm.loss_fn(pytree.tree_unflatten(outs, self.program.traced.out_spec), target)
+
+
 class PipelineModule(ParallelModule):
     """A ParallelModule that holds only its pipeline stage's chunks and weights; train it with step()."""
 
     def __init__(self, model, compiled, mesh, loss_fn):
         groups = mesh_groups(mesh)
         partition = compiled.partition
-        chunks = {c.index: c for c in partition.chunks if c.index % groups.pp == groups.pp_rank}
-        used = {gi.key for c in chunks.values() for gi in c.inputs if gi.is_state}
+        mine = [c for c in partition.chunks if c.index % groups.pp == groups.pp_rank]
+        used = {gi.key for c in mine for gi in c.inputs if gi.is_state}
         if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
             used |= set(model.state_dict(keep_vars=True)) - read
-        super().__init__(model, compiled, used_keys=used)
-        self.__dict__.update(partition=partition, chunks=chunks, groups=groups, loss_fn=loss_fn,
-                             config=compiled.config, program=compiled.program)
+        super().__init__(model, compiled, used_keys=used, mesh=mesh)
+        self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config)
         self._tied = self._tied_groups(mesh, partition)
+        self.replica_groups["tied"] = self._tied
         self.stats = Stats()
+        self._steps = 0
+
+    @property
+    def partition(self):
+        return self.compiled.partition
+
+    @property
+    def chunks(self) -> dict:
+        return Stage(self, self.compiled).chunks
+
+    @property
+    def program(self):
+        return self.compiled.program
 
     def _tied_groups(self, mesh, partition) -> dict[str, object]:
         """Parameters read on several pipeline ranks: key -> the group of their owners ([Note: pipeline ownership])."""
@@ -65,28 +97,28 @@ class PipelineModule(ParallelModule):
                         out[key] = group
         return out
 
-    def run_chunk(self, chunk, received: list, flat_user: list) -> list:
-        return list(self.compiled.callables[chunk.index](*self.chunk_inputs(chunk, flat_user, received)))
-
-    def loss(self, outs: list, target) -> torch.Tensor:
-        return self.loss_fn(pytree.tree_unflatten(outs, self.traced.out_spec), target)
-
     def forward(self, *args, **kwargs):
         if self.groups.pp > 1:
             raise RuntimeError(
                 "fxpar: with pipeline parallelism (pp > 1) the model runs as a schedule over all stages: "
                 "call pm.step(*global_batch, target=...) instead of pm(...)."
             )
-        flat, received = self.flatten_inputs(args, kwargs), []
-        for i in sorted(self.chunks):  # every chunk is on this rank: hand each one's outputs to the next
-            received = self.run_chunk(self.chunks[i], received, flat)
-        return pytree.tree_unflatten(received, self.traced.out_spec)
+        with preserve_global_state():
+            flat = self.flatten_inputs(args, kwargs)
+            stage = Stage(self, self.program_for(flat))
+            self.check_weights(stage.program, stage.chunks.values())
+            received = []
+            for i in sorted(stage.chunks):  # every chunk is on this rank: hand each one's outputs to the next
+                received = stage.run_chunk(stage.chunks[i], received, flat)
+            return pytree.tree_unflatten(received, stage.program.traced.out_spec)
 
     def _microbatches(self, args, kwargs, target):
         g, m = self.groups, self.config.microbatches
         flat, spec = pytree.tree_flatten((tuple(args), kwargs))
         if spec != self.traced.in_spec:
-            raise ValueError(f"fxpar step: arguments {spec} differ from the traced example's {self.traced.in_spec}")
+            raise ValueError(f"fxpar step: {describe_mismatch(self.traced, args, kwargs)}; pass step() the same "
+                             "arguments as "
+                             "the traced example (keyword arguments included), with tensors of dp*m times its rows")
 
         def split(x):
             if not isinstance(x, torch.Tensor):
@@ -107,13 +139,19 @@ class PipelineModule(ParallelModule):
 
     def step(self, *args, target, **kwargs) -> torch.Tensor:
         """One batch forward and backward over the pipeline; returns the batch's mean loss on every rank."""
-        micro, targets = self._microbatches(args, kwargs, target)
+        with preserve_global_state():
+            micro, targets = self._microbatches(args, kwargs, target)
+            stage = Stage(self, self.program_for(micro[0]))
+            self.check_weights(stage.program, stage.chunks.values())
+            return self._step(stage, micro, targets)
+
+    def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
         self.stats = Stats()
-        p2p = P2P(self.groups, self.program, self.config.scatter_gather, self.stats)
-        buckets = GradBuckets(self._chunk_params(), self.groups, self.config.bucket_mb * 2**20)
-        loss = Runtime(self, self.program, self.groups, p2p, buckets, self.stats).run(micro, targets)
+        p2p = P2P(self.groups, stage.program.program, self.config.scatter_gather, self.stats)
+        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20)
+        loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats).run(micro, targets)
         for key, group in self._tied.items():
-            grad = self._state[key].grad
+            grad = self._live[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=group)
         loss = loss.clone()
@@ -125,13 +163,16 @@ class PipelineModule(ParallelModule):
         if self.config.trace_dir:
             write_chrome_trace(os.path.join(self.config.trace_dir, f"rank{dist.get_rank()}.json"),
                                self.stats, dist.get_rank())
+        self._steps += 1
+        if self.config.check_replicas_every and self._steps % self.config.check_replicas_every == 0:
+            self.check_replicas()
         return loss
 
-    def _chunk_params(self) -> dict[int, list]:
+    def _chunk_params(self, stage: Stage) -> dict[int, list]:
         out = {}
-        for c in self.chunks.values():
+        for c in stage.chunks.values():
             keys = {self._aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
-            out[c.index] = [self._state[k] for k in sorted(keys) if self._state[k].requires_grad]
+            out[c.index] = [self._live[k] for k in sorted(keys) if self._live[k].requires_grad]
         return out
 
     @torch.no_grad()
@@ -147,3 +188,4 @@ class PipelineModule(ParallelModule):
             for k, v in part.items():
                 full.setdefault(k, v)
         return {k: full[k] for k in self._keys}
+

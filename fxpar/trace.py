@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 
+from fxpar.guard import backward_hooks, preserve_global_state, watch_trace
 from fxpar.passes.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput,
                                resolve_inputs)
 
@@ -71,8 +72,13 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced."""
     kwargs = kwargs or {}
     name = type(model).__name__
+    hooked = backward_hooks(model)
+    if hooked:
+        raise TraceError(f"{name}: modules {', '.join(hooked)} have backward hooks, which a trace cannot keep. Fix: "
+                         "remove them before fxpar.parallelize (gradients would silently differ).")
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with preserve_global_state(), watch_trace() as dropped:
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # export raises many types; show its reason whole
         raise TraceError(
             f"fxpar could not trace {name} with torch.export (non-strict). export said:\n"
@@ -80,6 +86,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
             "Fix: make the forward traceable (no data-dependent Python control flow on tensor values); for Hugging "
             "Face causal LMs pass use_cache=False."
         ) from e
+    if dropped:
+        calls = list(dict.fromkeys(dropped))
+        what, where = calls[0]
+        raise TraceError(
+            f"{name}.forward calls {what} at {where}. A trace keeps its forward only, so the gradients would "
+            f"silently differ from the model's ({len(calls)} such call site(s)). Fix: write the operation with "
+            "differentiable torch ops, or apply it outside the parallelized model."
+        )
     sig = ep.graph_signature
     for out in sig.output_specs:
         if out.kind != OutputKind.USER_OUTPUT:

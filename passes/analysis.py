@@ -13,6 +13,17 @@ that way, the region is proven; if any op refuses, we try the largest subset of 
 k/v projections whose heads t does not divide stay replicated; their heads are scattered into the region), and
 otherwise leave the group replicated and record why. Why it is safe: every rule is exact for the placements it
 accepts, and a region's only exits are row-parallel GEMMs followed by g.
+
+[Note: one decision per node]
+    A node's placement is decided at most once. Once a region is proven, its nodes and the inputs it read as
+    replicated are frozen: a later region that would decide one of them again is refused (its GEMMs stay
+    replicated and the plan says which node conflicted), never allowed to overwrite. A seed's input must itself be
+    replicated, and a rule may not read a sharded value as replicated.
+
+[Note: every use is proven]
+    A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
+    the GEMM replicated (the plan names the other use); a bias read elsewhere stays whole and is scattered into the
+    region at its GEMM. Rules that fail on a node they did not expect refuse their region, naming themselves.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ from torch.fx import GraphModule, Node
 from .fused import fused_parts
 from .meta import USER, input_of
 from .placements import Placement, Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, Indivisible, NoRule, rule_for
+from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
 
 aten = torch.ops.aten
 
@@ -81,23 +92,42 @@ def _seed_spec(gemm: Node, t: int) -> Shard:
     return Shard(gemm.meta["val"].dim() - 1, tuple(parts))
 
 
-def _weight_specs(gemm: Node, s: Shard, role: str) -> dict[Node, Shard]:
-    """Column: weight's output-feature dim and bias take the layout. Row: weight's input-feature dim."""
+def _describe(n: Node) -> str:
+    return f"{n.name} (module {module_path(n) or '<root>'})"
+
+
+def _column(gemm: Node, s: Shard, params: set[Node], x: Node) -> tuple[Decision, dict[Node, Shard]]:
+    """A seed's decision and specs: its weight's output-feature dim takes the layout; so does its bias when the bias
+    is a parameter used only here, else the bias stays as it is and enters the region scattered."""
     w_idx, _, w_in_dim = GEMM_WEIGHT_ARG[gemm.target]
-    w = gemm.args[w_idx]
     layout = (s.parts, s.pre, s.post)
-    if role == "row":
-        return {w: Shard(w_in_dim, *layout)}
-    specs = {w: Shard(1 - w_in_dim, *layout)}
+    specs = {gemm.args[w_idx]: Shard(1 - w_in_dim, *layout)}
+    enter: dict[Node, Shard | None] = {x: None}
     bias = gemm.args[2] if gemm.target is aten.linear.default and len(gemm.args) > 2 else None
     bias = gemm.args[0] if gemm.target is aten.addmm.default else bias
     if isinstance(bias, Node):
-        specs[bias] = Shard(0, *layout)
-    return specs
+        if bias in params and other_use(bias, gemm) is None:
+            specs[bias] = Shard(0, *layout)
+        else:
+            enter[bias] = Shard(0, *layout)
+    return Decision(s, enter, role="column"), specs
 
 
-def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int]) -> tuple[dict, dict]:
-    """Propagate the seeds' column sharding; returns (decisions, param specs) or raises NoRule."""
+def _row_spec(gemm: Node, s: Shard) -> dict[Node, Shard]:
+    """A row-parallel GEMM's weight: its input-feature dim takes the layout of the sharded input."""
+    w_idx, _, w_in_dim = GEMM_WEIGHT_ARG[gemm.target]
+    return {gemm.args[w_idx]: Shard(w_in_dim, s.parts, s.pre, s.post)}
+
+
+def _is_sharded(p) -> bool:
+    return isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(o, Shard) for o in p))
+
+
+def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node, str]) -> tuple[dict, dict]:
+    """Propagate the seeds' column sharding; returns (decisions, param specs) or raises NoRule.
+
+    frozen: nodes that earlier regions decided, or read as replicated, -> which region. Deciding one of them again
+    is a conflict ([Note: one decision per node]): the region is refused, never overwritten."""
     decisions, specs, heap = {}, {}, []
 
     def push_users(n):
@@ -109,8 +139,8 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int]) -> tuple[dict, di
         if not s.divisible(ctx.t):
             raise Indivisible(f"{g.name}: output features {s.size} (parts {s.parts}) not divisible by t={ctx.t}")
         x = g.args[GEMM_WEIGHT_ARG[g.target][1]]
-        decisions[g] = Decision(s, {x: None}, role="column")
-        specs.update(_weight_specs(g, s, "column"))
+        decisions[g], got = _column(g, s, ctx.params, x)
+        specs.update(got)
         ctx.placements[g] = s
         push_users(g)
     while heap:
@@ -119,17 +149,32 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int]) -> tuple[dict, di
             continue
         if n.op == "output":
             raise NoRule("a sharded value reaches the model output")
+        if n in frozen:
+            raise NoRule(f"{_describe(n)} was already decided by the region of {frozen[n]}: one decision per node")
         rule = rule_for(n)
         if rule is None:
             raise NoRule(f"{n.name}: no sharding rule for {n.target}")
-        d = rule(n, ctx)
+        d = _apply(rule, n, ctx)
+        for inp in d.enter:
+            if _is_sharded(ctx.placements.get(inp)):
+                raise NoRule(f"{n.name}: would read the sharded {inp.name} as replicated")
         decisions[n], ctx.placements[n] = d, d.out
         if d.role == "row":
             x = n.args[GEMM_WEIGHT_ARG[n.target][1]]
-            specs.update(_weight_specs(n, ctx.placements[x], "row"))
-        elif isinstance(d.out, Shard) or (isinstance(d.out, tuple) and any(isinstance(o, Shard) for o in d.out)):
+            specs.update(_row_spec(n, ctx.placements[x]))
+        elif _is_sharded(d.out):
             push_users(n)
     return decisions, specs
+
+
+def _apply(rule, n: Node, ctx: Ctx) -> Decision:
+    """rule(n, ctx); a rule that fails on input it did not expect refuses (never guess), naming itself."""
+    try:
+        return rule(n, ctx)
+    except NoRule:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of a rule is a refusal of its region
+        raise NoRule(f"{n.name}: the {rule.__name__} rule cannot place {n.target} ({type(e).__name__}: {e})") from e
 
 
 def _common_module(nodes: list[Node]) -> str:
@@ -142,14 +187,24 @@ def _common_module(nodes: list[Node]) -> str:
     return ".".join(common)
 
 
-def _seed_groups(gm: GraphModule, params: set[Node]) -> dict[Node, list[Node]]:
+def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[Node]], list[Region]]:
+    """GEMMs with a weight parameter, grouped by the activation they read; and a refusal for each whose weight has
+    another use ([Note: every use is proven]: a sharded weight's every use must be in its region)."""
     groups: dict[Node, list[Node]] = {}
+    refused = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in GEMM_WEIGHT_ARG:
             w_idx, x_idx, _ = GEMM_WEIGHT_ARG[n.target]
-            if n.args[w_idx] in params and len(n.args[w_idx].users) == 1:
+            w = n.args[w_idx]
+            if w not in params:
+                continue
+            other = other_use(w, n)
+            if other is None:
                 groups.setdefault(n.args[x_idx], []).append(n)
-    return groups
+            else:
+                refused.append(Region(module_path(n), [], replicated=[n.name], modules={n.name: module_path(n)},
+                                      reason=f"weight {w.name} is also read by {_describe(other)}"))
+    return groups, refused
 
 
 def _subsets(seeds: list[Node]):
@@ -168,18 +223,24 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     placements: dict[Node, Placement] = {}
     decisions: dict[Node, Decision] = {}
     param_specs: dict[Node, Shard] = {}
-    regions, claimed = [], set()
+    regions, frozen = [], {}
     if t > 1:
-        for x, seeds in _seed_groups(gm, params).items():
-            seeds = [s for s in seeds if s not in claimed]
+        groups, regions = _seed_groups(gm, params)
+        for x, seeds in groups.items():
+            seeds = [s for s in seeds if s not in frozen]
             if not seeds:
                 continue
             region = Region(module_path(seeds[0]), [], modules={s.name: module_path(s) for s in seeds})
             first_error = None
-            for subset in _subsets(seeds):
+            if _is_sharded(placements.get(x)):  # a seed's input must be proven Replicate
+                first_error = f"input {x.name} of {', '.join(s.name for s in seeds)} is sharded ({placements[x]})"
+                seeds_to_try = []
+            else:
+                seeds_to_try = _subsets(seeds)
+            for subset in seeds_to_try:
                 ctx = Ctx(dict(placements), t, params)
                 try:
-                    got, specs = _grow(list(subset), ctx, order)
+                    got, specs = _grow(list(subset), ctx, order, frozen)
                 except NoRule as e:
                     if first_error is None:
                         first_error = f"{e} (module {module_path(seeds[0]) or '<root>'})"
@@ -192,7 +253,9 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 region.module = _common_module([n for n, d in got.items() if d.role])
                 region.rows = [n.name for n, d in got.items() if d.role == "row"]
                 region.modules.update({n.name: module_path(n) for n, d in got.items() if d.role == "row"})
-                claimed.update(n for n, d in got.items() if d.role)
+                label = subset[0].name
+                frozen.update(dict.fromkeys(got, label))
+                frozen.update(dict.fromkeys((i for d in got.values() for i in d.enter), label))
                 break
             region.replicated = [s.name for s in seeds if s.name not in region.columns]
             region.reason = first_error or ""

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from .fusion_match import erase, done, is_call, ndim, new_node, only_user, scalar_operand, val
-from .meta import input_of
+from .meta import FXPAR_ASSUMES, input_of
 
 aten = torch.ops.aten
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
@@ -43,6 +43,20 @@ def _evaluate(n, values: Mapping, depth: int = 0):
         return _MISSING
     with torch.no_grad():
         return n.target(*args, **kwargs)
+
+
+def _inputs_of(n: Node) -> tuple:
+    """The GraphInputs of the placeholders an expression reads (what a proof from their values relied on)."""
+    seen, work, out = set(), [n], []
+    while work:
+        x = work.pop()
+        if not isinstance(x, Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder":
+            out.append(input_of(x))
+        work.extend(x.all_input_nodes)
+    return tuple(out)
 
 
 def _provably_causal(mask: Node, scores: Node, values: Mapping | None) -> bool:
@@ -156,7 +170,7 @@ def _erase_dead_inputs(gm: GraphModule, nodes) -> None:
             gm.graph.erase_node(n)
 
 
-def attention_to_sdpa_pass(gm: GraphModule, values: Mapping[str, torch.Tensor] | None = None) -> GraphModule:
+def attention_to_sdpa_pass(gm: GraphModule, values: Mapping | None = None) -> GraphModule:
     """Explicit attention -> aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale).
 
     Pattern: matmul(q, transpose(k, -2, -1)), then * c or / c with c a Python number (no scale: c = 1), then either
@@ -180,6 +194,8 @@ def attention_to_sdpa_pass(gm: GraphModule, values: Mapping[str, torch.Tensor] |
         kwargs["scale"] = a.scale
         args = (a.q, a.k, a.v) + ((a.attn_mask,) if a.attn_mask is not None else ())
         fused = new_node(gm, a.out, aten.scaled_dot_product_attention.default, args, kwargs, a.out, "sdpa", "sdpa")
+        if a.is_causal:  # proven from the buffers' values now: the executable checks they stay the same
+            fused.meta[FXPAR_ASSUMES] = _inputs_of(a.mask_expr)
         a.out.replace_all_uses_with(fused)
         erase(gm, [a.out] + a.chain)
         _erase_dead_inputs(gm, [a.k_t, a.mask_expr])

@@ -14,8 +14,8 @@ hands the tensors over in memory). The compute order is left untouched.
   Messages are matched by (source rank, destination rank, tag), never by order. The tag encodes the message:
   `Program.tag(action)` = ((microbatch * chunks + consuming chunk) * 2 + direction), unique for every message of a
   step, which `passes.proofs.prove` checks. So the order of the RECVs among themselves does not matter; a program
-  deadlocks exactly when some compute action waits for a message whose SEND sits, on its peer, behind a compute action that
-  waits (transitively) for this one.
+  deadlocks exactly when some compute action waits for a message whose SEND sits, on its peer, behind a compute
+  action that waits (transitively) for this one.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ submodule name. Glossary of the keys:
     FXPAR_COMM       on the nodes that call a collective module: its kind, one of COMM_KINDS.
     FXPAR_FUSED      on the nodes a fusion made: the fusion's name ("sdpa", "bias_gelu_linear", ...).
     FXPAR_RECOMPUTE  on the call of a checkpointed region: "full:<layer>" or "selective:<layer>".
+    FXPAR_RANDOM     on a random op's call: the stream it draws from ("replicated" or "sharded", passes/rng.py).
+    FXPAR_ASSUMES    on a node a fusion made from concrete buffer values (a mask proven causal): the GraphInputs
+                     whose values it relied on; the executable checks them before each call.
 
 [Note: one resolver] A graph's placeholders are resolved to tensors in exactly one place, `resolve_inputs`, from
 the GraphInput records: the executable, the pipeline chunks, verify and the fusion pass's buffer values all go
@@ -30,6 +33,8 @@ FXPAR_PLACEMENT = "fxpar_placement"
 FXPAR_COMM = "fxpar_comm"
 FXPAR_FUSED = "fxpar_fused"
 FXPAR_RECOMPUTE = "fxpar_recompute"
+FXPAR_RANDOM = "fxpar_random"
+FXPAR_ASSUMES = "fxpar_assumes"
 
 # the collectives the tensor-parallel pass inserts (passes/ops.py): kind -> what it does, as `fxpar show` says it
 COMM_KINDS = {

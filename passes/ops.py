@@ -141,6 +141,7 @@ class VocabParallelEmbedding(_TPModule):
 
     def forward(self, weight, ids, *rest):
         rows = weight.shape[0]
+        _check_ids(ids, rows * self.comm.size)
         start = self.comm.rank * rows
         outside = (ids < start) | (ids >= start + rows)
         local = (ids - start).masked_fill(outside, 0)
@@ -148,6 +149,19 @@ class VocabParallelEmbedding(_TPModule):
         pad = pad - start if start <= pad < start + rows else -1
         out = torch.ops.aten.embedding(weight, local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
         return _G.apply(out, self.comm)
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Raise as aten.embedding does for an id outside [0, vocab): each rank would see it as another rank's row and
+    the all-reduce would silently return a zero vector. On an accelerator the check is asynchronous (no sync)."""
+    if _shape_only(ids):
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"fxpar: a token id is outside the vocabulary [0, {vocab})")
+    elif bad.any():
+        raise IndexError(f"fxpar: token id {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
+                         "(index out of range in self, as the unparallelized embedding would say)")
 
 
 COMM_MODULES = {  # kind (passes/meta.py COMM_KINDS) -> module

@@ -163,8 +163,10 @@ def whole_graph(gm: GraphModule) -> Partition:
     return Partition((chunk,), layers.main.path if layers.main else "", (0.0,) * len(indices))
 
 
-def partition_pass(gm: GraphModule, k: int) -> Partition:
-    """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph; k = 1 is gm."""
+def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -> Partition:
+    """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph; k = 1 is gm.
+
+    chunk_layers: the layers (block indices) of each chunk, to keep a cut made before (else balanced here)."""
     if k == 1:
         return whole_graph(gm)
     layers = find_layers(gm)
@@ -183,13 +185,21 @@ def partition_pass(gm: GraphModule, k: int) -> Partition:
             pre += node_cost(n)
         else:
             post += node_cost(n)
-    runs = balance(costs, pre, post, k)
+    runs = balance(costs, pre, post, k) if chunk_layers is None else _pinned(chunk_layers, indices, k)
     chunk_of = _chunk_of_nodes(gm, position, runs)
     sent = _param_dependent(gm, param_nodes(gm))
     crossing = _crossing(gm, chunk_of, sent, k)
     chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(indices[i] for i in runs[c]))
                    for c in range(k))
     return Partition(chunks, layers.main.path, tuple(costs))
+
+
+def _pinned(chunk_layers: tuple, indices: tuple, k: int) -> list[list[int]]:
+    """The positions of pinned chunk layers; refuses a cut that does not fit this graph's layers."""
+    if len(chunk_layers) != k or [i for run in chunk_layers for i in run] != list(indices):
+        raise ValueError(f"fxpar partition: the pinned cut {chunk_layers} does not cover this graph's layers "
+                         f"{list(indices)} in {k} chunks")
+    return [[indices.index(i) for i in run] for run in chunk_layers]
 
 
 def _crossing(gm, chunk_of, sent, k) -> list[list[Node]]:

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from ..cost.flops import RECOMPUTE_MODES
 from . import fused_ops
 from .layers import Layers, find_layers
-from .meta import FORWARD_IDENTITY, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind, copy_meta
+from .meta import FORWARD_IDENTITY, FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
+from .rng import streams_in
 
 aten = torch.ops.aten
 _CUT = object()  # a collective: ends any region
@@ -45,20 +46,42 @@ _WORTH = _SDPA | _SOFTMAX | {  # ops that save activations: a region without one
 
 
 class Checkpointed(nn.Module):
-    """Runs `body` through torch.utils.checkpoint (non-reentrant): backward recomputes its activations."""
+    """Runs `body` through torch.utils.checkpoint (non-reentrant): backward recomputes its activations.
+
+    The random streams its random ops draw from ([Note: random streams] in rng.py) are replayed too: their states at
+    the forward are restored for the recompute (and put back after), so every mask is drawn again identically."""
 
     def __init__(self, body: GraphModule):
         super().__init__()
         self.body = body
+        self.__dict__["streams"] = streams_in(body)  # not submodules: shared with the rest of the graph
 
     def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False)
+        if not self.streams:
+            return checkpoint(self.body, *args, use_reentrant=False)
+        at_forward = [s.get_states() for s in self.streams]
+        calls = [0]
+
+        def body(*inputs):
+            calls[0] += 1
+            if calls[0] == 1:
+                return self.body(*inputs)
+            now = [s.get_states() for s in self.streams]
+            for s, states in zip(self.streams, at_forward):
+                s.set_states(states)
+            try:
+                return self.body(*inputs)
+            finally:
+                for s, states in zip(self.streams, now):
+                    s.set_states(states)
+
+        return checkpoint(body, *args, use_reentrant=False)
 
 
 def _is_cut(n: Node) -> bool:
     """A collective that moves data forward ([Note: collectives stay outside recomputed regions]), or any module
-    call that is not a collective (it might be one, or a region already)."""
-    return n.op == "call_module" and comm_kind(n) not in FORWARD_IDENTITY
+    call that is neither a collective nor a random op on its stream (it might be one, or a region already)."""
+    return n.op == "call_module" and comm_kind(n) not in FORWARD_IDENTITY and FXPAR_RANDOM not in n.meta
 
 
 def _layer_keys(gm: GraphModule, layers: Layers) -> dict[Node, str | None]:
@@ -147,12 +170,17 @@ def _between(src: Node, dst: Node) -> set[Node]:
     return down & up
 
 
+def _random_sdpa(gm: GraphModule, n: Node) -> bool:
+    """An SDPA with dropout, on its random stream (a call of passes/rng.py's ForkedRandom)."""
+    return n.op == "call_module" and FXPAR_RANDOM in n.meta and getattr(gm.get_submodule(n.target), "op", None) in _SDPA
+
+
 def _selective_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[Node]]]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for n in gm.graph.nodes:
         core = None
-        if n.op == "call_function" and n.target in _SDPA:
+        if n.op == "call_function" and n.target in _SDPA or _random_sdpa(gm, n):
             core = {n}
         elif n.op == "call_function" and n.target in _SOFTMAX:
             core = _attention_core(n)

@@ -71,6 +71,29 @@ def _tensor_args(node: Node):
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
+_MISSING = object()
+
+
+def arg(node: Node, name: str, default=None):
+    """The argument `name` of an ATen call, positional or keyword, by the op's schema (default if not given).
+
+    Rules read arguments by name, never by position: aten.var.dim's third argument is `unbiased`, not keepdim."""
+    schema = getattr(node.target, "_schema", None)
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.name == name:
+                if i < len(node.args) and not a.kwarg_only:
+                    return node.args[i]
+                return default
+    return default
+
+
+def _sharded_inputs(node: Node, ctx: "Ctx") -> list[Node]:
+    return [a for a in _tensor_args(node) if isinstance(ctx.p(a), Shard)]
+
+
 # --- elementwise: same shard on the broadcast output dim; replicated operands broadcast or get scattered
 def elementwise(node: Node, ctx: Ctx) -> Decision:
     out_nd = len(ctx.shape(node))
@@ -92,6 +115,14 @@ def elementwise(node: Node, ctx: Ctx) -> Decision:
         k = first.dim - (out_nd - len(shape))
         enter[a] = None if k < 0 or shape[k] == 1 else first.moved(k)
     return Decision(first, enter)
+
+
+# --- type_as / to(other): the second tensor only gives a dtype (and device); no data of it enters
+def like_input(node: Node, ctx: Ctx) -> Decision:
+    x = node.args[0]
+    if not isinstance(ctx.p(x), Shard):
+        return Decision(R)  # only the dtype donor is sharded: the result is x, replicated
+    return Decision(ctx.p(x))
 
 
 # --- view / reshape / unflatten: see reshape.py; the shape argument is rewritten for the local shard
@@ -258,19 +289,19 @@ def stack(node: Node, ctx: Ctx) -> Decision:
 # --- softmax / log_softmax, and reductions over other dims
 def softmax(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
-    if _norm(node.args[1], len(ctx.shape(node))) == s.dim:
+    if _norm(arg(node, "dim"), len(ctx.shape(node))) == s.dim:
         raise NoRule(f"{node.name}: softmax over the sharded dim")
     return Decision(s)
 
 
 def reduction(node: Node, ctx: Ctx) -> Decision:
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 else None
+    dims = arg(node, "dim")
     dims = [dims] if isinstance(dims, int) else dims
     if not dims:
         raise NoRule(f"{node.name}: full reduction of a sharded tensor")
     dims = {_norm(d, nd) for d in dims}
-    keep = len(node.args) > 2 and node.args[2]
+    keep = bool(arg(node, "keepdim", False))
     if s.dim in dims:
         raise NoRule(f"{node.name}: reduces over the sharded dim {s.dim}")
     return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
@@ -279,7 +310,9 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
 # --- layer_norm / rms_norm: normalized dims must be unsharded; the affine weights enter through f
 def norm(node: Node, ctx: Ctx) -> Decision:
     x, s = node.args[0], ctx.p(node.args[0])
-    if s.dim >= len(ctx.shape(x)) - len(node.args[1]):
+    if not isinstance(s, Shard):
+        raise NoRule(f"{node.name}: the weights of a norm are sharded but its input is not")
+    if s.dim >= len(ctx.shape(x)) - len(arg(node, "normalized_shape")):
         raise NoRule(f"{node.name}: normalizes over the sharded dim {s.dim}")
     return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
 
@@ -288,6 +321,8 @@ def norm(node: Node, ctx: Ctx) -> Decision:
 def sdpa(node: Node, ctx: Ctx) -> Decision:
     q, k, v = node.args[:3]
     shards = [ctx.p(a) for a in (q, k, v) if isinstance(ctx.p(a), Shard)]
+    if not shards:
+        raise NoRule(f"{node.name}: only the attention mask is sharded")
     s = shards[0]
     nd = len(ctx.shape(q))
     if s.dim >= nd - 2 or any(o != s for o in shards):
@@ -295,11 +330,19 @@ def sdpa(node: Node, ctx: Ctx) -> Decision:
     if any(ctx.shape(a)[s.dim] != ctx.shape(q)[s.dim] for a in (k, v)):
         raise NoRule(f"{node.name}: grouped k/v heads {ctx.shape(k)[s.dim]} vs query heads {ctx.shape(q)[s.dim]}")
     enter = {a: s for a in (q, k, v) if not isinstance(ctx.p(a), Shard)}
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask = arg(node, "attn_mask")
     if isinstance(mask, Node):
         shape = ctx.shape(mask)
         kdim = s.dim - (nd - len(shape))
-        enter[mask] = None if kdim < 0 or shape[kdim] == 1 else s.moved(kdim)
+        want = None if kdim < 0 or shape[kdim] == 1 else s.moved(kdim)
+        have = ctx.p(mask)
+        if isinstance(have, Shard):
+            if have != want:
+                raise NoRule(f"{node.name}: the mask is sharded as {have}, the heads as {s}")
+        elif not isinstance(have, Replicate):
+            raise NoRule(f"{node.name}: the mask is {have}")
+        else:
+            enter[mask] = want
     return Decision(s, enter)
 
 
@@ -331,15 +374,27 @@ GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0)
 # op -> (weight arg index, input arg index, weight dim contracted with the input's last dim)
 
 
+def other_use(param: Node, gemm: Node) -> Node | None:
+    """A user of `param` other than `gemm` ([Note: every use is proven] in analysis.py), or None."""
+    return next((u for u in param.users if u is not gemm), None)
+
+
 def gemm(node: Node, ctx: Ctx) -> Decision:
     w_idx, x_idx, w_in_dim = GEMM_WEIGHT_ARG[node.target]
     x, w = node.args[x_idx], node.args[w_idx]
     s, nx = ctx.p(x), len(ctx.shape(x))
-    if w in ctx.params and len(w.users) == 1 and s.dim == nx - 1:
+    others = [a for a in _sharded_inputs(node, ctx) if a is not x]
+    if others:
+        raise NoRule(f"{node.name}: its weight or additive operand {others[0].name} is sharded "
+                     f"({ctx.p(others[0])}); only a sharded input operand has a rule")
+    if not isinstance(s, Shard):
+        raise NoRule(f"{node.name}: input {getattr(x, 'name', x)} is {s}")
+    if w in ctx.params and other_use(w, node) is None and s.dim == nx - 1:
         _need_divisible(s, ctx.t, node)
         return Decision(R, role="row")  # g follows; the caller shards the weight on w_in_dim with s's layout
     if s.dim == nx - 1:
-        raise NoRule(f"{node.name}: contraction over a sharded dim with weight {w.name} that cannot be sharded")
+        why = "is not a parameter" if w not in ctx.params else f"is also read by {other_use(w, node).name}"
+        raise NoRule(f"{node.name}: contraction over a sharded dim with weight {getattr(w, 'name', w)}, which {why}")
     return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
 
 
@@ -347,22 +402,30 @@ RULES: dict[Callable, Callable[[Node, Ctx], Decision]] = {}
 
 
 def _register(rule, *ops):
+    """Register `rule` for ops: an OpOverloadPacket means all its overloads, an OpOverload just that one."""
     for op in ops:
-        for overload in op.overloads() if hasattr(op, "overloads") else [None]:
-            RULES[getattr(op, overload) if overload else op] = rule
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for overload in op.overloads():
+                RULES[getattr(op, overload)] = rule
+        else:
+            RULES[op] = rule
 
 
 _register(
     elementwise,
-    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.where, aten.masked_fill, aten.clamp,
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.masked_fill, aten.clamp,
     aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu, aten.erf, aten.rsqrt, aten.sqrt,
-    aten.sin, aten.cos, aten.abs, aten.square, aten.reciprocal, aten._to_copy, aten.to, aten.contiguous,
-    aten.clone, aten.alias, aten.dropout, aten.type_as, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+    aten.sin, aten.cos, aten.abs, aten.square, aten.reciprocal, aten._to_copy, aten.contiguous,
+    aten.clone, aten.alias, aten.dropout, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
     aten.logical_not, aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__,
     aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
     aten.maximum, aten.minimum, aten.rsub, aten.addcmul,
 )
-_register(view, aten.view, aten.reshape, aten._unsafe_view, aten.unflatten, aten.flatten)
+_register(elementwise, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+          aten.to.dtype, aten.to.dtype_layout, aten.to.device)  # not where(cond) (indices), not to(other)
+_register(like_input, aten.type_as.default, aten.to.other)
+_register(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+          aten.flatten.using_ints)  # not view(dtype): it reinterprets bits
 _register(expand, aten.expand)
 _register(transpose, aten.transpose)
 _register(permute, aten.permute)

@@ -15,7 +15,7 @@ from torch.fx import Node
 
 from .analysis import Analysis, Region, module_path
 from .placements import Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, Decision
+from .rules import GEMM_WEIGHT_ARG, Decision, other_use
 
 aten = torch.ops.aten
 
@@ -28,12 +28,24 @@ def _embeddings(gm, params):
 
 
 def _heads(gm, params, analysis: Analysis, vocab: int, weight: Node):
+    """Linear GEMMs over the vocabulary that no region decided, whose input is replicated and whose own weight (an
+    untied head's) has no other use ([Note: every use is proven] in analysis.py)."""
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.linear.default or n in analysis.decisions:
             continue
         w = n.args[1]
-        if w in params and (w is weight or tuple(w.meta["val"].shape)[0] == vocab):
-            yield n
+        if w not in params or not (w is weight or tuple(w.meta["val"].shape)[0] == vocab):
+            continue
+        if w is not weight and other_use(w, n) is not None:
+            continue
+        if not isinstance(analysis.placements.get(n.args[0], Replicate()), Replicate):
+            continue
+        yield n
+
+
+def _plain_lookup(e: Node) -> bool:
+    """aten.embedding(weight, ids[, padding_idx]) without scale_grad_by_freq or sparse gradients."""
+    return not any(e.args[3:5]) and not e.kwargs.get("scale_grad_by_freq") and not e.kwargs.get("sparse")
 
 
 def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
@@ -48,12 +60,14 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
     heads = list(_heads(gm, params, analysis, vocab, table))
     names = {h.name for h in heads}
     analysis.regions[:] = [r for r in analysis.regions if r.columns or not names & set(r.replicated)]
-    users_ok = all(u.target is aten.embedding.default or u in heads for u in table.users)
-    if vocab % t or not users_ok:
+    others = [u for u in table.users if not (u.target is aten.embedding.default and u.args[0] is table
+                                              and _plain_lookup(u)) and u not in heads]
+    if vocab % t or others:
         record.replicated = [table.name]
         record.reason = (
             f"vocabulary {vocab} not divisible by t={t}: pad it to {-(-vocab // t) * t}"
-            if vocab % t else f"{table.name} has users other than embeddings and the LM head"
+            if vocab % t else f"{table.name} is also read by {others[0].name} (module "
+                              f"{module_path(others[0]) or '<root>'}), neither a plain embedding lookup nor the LM head"
         )
         analysis.regions.append(record)
         return analysis
@@ -64,10 +78,14 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
             record.columns.append(e.name)
             record.modules[e.name] = module_path(e)
     for h in heads:
-        analysis.decisions[h] = Decision(Replicate(), {h.args[0]: None}, role="vocab_head")
+        enter = {h.args[0]: None}
         analysis.param_specs[h.args[1]] = spec
-        if len(h.args) > 2 and isinstance(h.args[2], Node):
-            analysis.param_specs[h.args[2]] = spec
+        bias = h.args[2] if len(h.args) > 2 and isinstance(h.args[2], Node) else None
+        if bias is not None and bias in params and other_use(bias, h) is None:
+            analysis.param_specs[bias] = spec
+        elif bias is not None:
+            enter[bias] = spec  # read elsewhere too: it stays whole and is scattered here
+        analysis.decisions[h] = Decision(Replicate(), enter, role="vocab_head")
         record.rows.append(h.name)
         record.modules[h.name] = module_path(h)
     analysis.param_specs[table] = spec

@@ -44,7 +44,7 @@ def zoo() -> Graph:
 
 @pytest.mark.parametrize("target,rule", [
     (aten.add.Tensor, rules.elementwise), (aten.relu.default, rules.elementwise),
-    (aten.type_as.default, rules.elementwise),
+    (aten.type_as.default, rules.like_input),
     (aten.view.default, rules.view), (aten.reshape.default, rules.view), (aten._unsafe_view.default, rules.view),
     (aten.unflatten.int, rules.view), (aten.flatten.using_ints, rules.view),
     (aten.expand.default, rules.expand), (aten.transpose.int, rules.transpose), (aten.permute.default, rules.permute),

@@ -2,10 +2,10 @@
 batched matmul and GEMMs with a weight parameter. Placement in, Decision (or a refusal) out; see tests/test_rules.py
 for how the graphs are made.
 
-The xfail(strict=True) tests at the end are known gaps in rules.py: each asserts what the rule should do.
+The tests at the end pin corners that once went wrong (an argument read by position, a dtype donor scattered, a
+sharded weight operand, a mask scattered twice).
 """
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpar.passes import rules
-from fxpar.passes.rules import Decision, Indivisible, NoRule
+from fxpar.passes.rules import Decision, Indivisible, NoRule, rule_for
 from tests.rule_helpers import R, S, aten, ctx, export
 
 
@@ -220,14 +220,14 @@ def test_gemm_row_parallel_indivisible():
 def test_gemm_refuses_a_weight_with_another_use():
     g = export(lambda x, w: (F.linear(x, w), w * 2), (2, 8, 32), (16, 32))  # tied: the weight is read twice
     x, w = g.inputs
-    with pytest.raises(NoRule, match="contraction over a sharded dim with weight .* that cannot be sharded"):
+    with pytest.raises(NoRule, match=r"contraction over a sharded dim with weight \w+, which is also read by mul"):
         rules.gemm(g.node(aten.linear.default), ctx({x: S(2, 32)}, params={w}))
 
 
 def test_gemm_refuses_a_weight_that_is_not_a_parameter():
     g = export(F.linear, (2, 8, 32), (16, 32))
     x, w = g.inputs
-    with pytest.raises(NoRule, match="cannot be sharded"):
+    with pytest.raises(NoRule, match="which is not a parameter"):
         rules.gemm(g.node(aten.linear.default), ctx({x: S(2, 32)}))
 
 
@@ -247,49 +247,43 @@ def test_addmm_passes_a_row_shard_through():
     assert got == Decision(S(0, 4), {w: None, b: None})
 
 
-# --- known gaps in rules.py (see the report): each test asserts what the rule should do --------------------------
-@pytest.mark.xfail(strict=True, reason="reduction reads keepdim from args[2], which is var.dim's `unbiased` "
-                                       "(and var.correction passes keepdim as a kwarg)")
+# --- corners that once went wrong: arguments read by name, dtype donors, sharded weight operands, sharded masks ----
 @pytest.mark.parametrize("fn", [lambda x: x.var(1, unbiased=False, keepdim=True),
                                 lambda x: x.var(1, correction=0, keepdim=True)])
-def test_gap_var_keepdim(fn):
+def test_reduction_reads_keepdim_by_name(fn):
     g = export(fn, (2, 8, 32))
     (x,) = g.inputs
     (node,) = [n for n in g.gm.graph.nodes if n.op == "call_function"]
     assert tuple(node.meta["val"].shape) == (2, 1, 32)
-    assert rules.reduction(node, ctx({x: S(2, 32)})) == Decision(S(2, 32))  # rules.py says S(1)
+    assert rules.reduction(node, ctx({x: S(2, 32)})) == Decision(S(2, 32))  # var.dim's argument 2 is `unbiased`
 
 
-@pytest.mark.xfail(strict=True, reason="type_as's second operand only gives a dtype, but elementwise treats it as a "
-                                       "broadcast operand and scatters it with a layout its shape does not have")
-def test_gap_type_as_other_is_not_an_operand():
+def test_type_as_takes_only_a_dtype_from_its_second_operand():
     g = export(lambda x, m: x.type_as(m), (2, 8, 32), (2, 4, 8, 8))
     x, m = g.inputs
-    got = rules.elementwise(g.node(aten.type_as.default), ctx({x: S(2, 32)}))
-    assert got.out == S(2, 32) and got.enter.get(m) is None  # rules.py scatters m as S(3, 32) on an 8-wide dim
+    node = g.node(aten.type_as.default)
+    assert rule_for(node) is rules.like_input
+    assert rules.like_input(node, ctx({x: S(2, 32)})) == Decision(S(2, 32))  # m's data never enters
+    assert rules.like_input(node, ctx({m: S(1, 4)})) == Decision(R)  # only the dtype donor is sharded
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="gemm assumes the input operand is the sharded one: AttributeError, not NoRule")
-def test_gap_gemm_sharded_weight_operand_crashes():
+def test_gemm_refuses_a_sharded_weight_operand():
     g = export(torch.mm, (4, 8), (8, 32))
     a, h = g.inputs
     with pytest.raises(NoRule):
         rules.gemm(g.node(aten.mm.default), ctx({h: S(1, 32)}))
 
 
-@pytest.mark.xfail(strict=True, reason="gemm's pass-through sends a sharded weight operand through f as if whole")
-def test_gap_gemm_pass_through_ignores_a_sharded_weight_operand():
+def test_gemm_pass_through_refuses_a_sharded_weight_operand():
     g = export(torch.mm, (16, 8), (8, 32))
     a, h = g.inputs
-    with pytest.raises(NoRule):  # rules.py: Decision(S(0), {h: None}), but each rank holds 16 of h's 32 columns
+    with pytest.raises(NoRule, match="weight or additive operand"):  # each rank holds 16 of h's 32 columns
         rules.gemm(g.node(aten.mm.default), ctx({a: S(0, 16), h: S(1, 32)}))
 
 
-@pytest.mark.xfail(strict=True, reason="sdpa puts the mask in `enter` without looking at its placement")
-def test_gap_sdpa_scatters_an_already_sharded_mask():
+def test_sdpa_keeps_an_already_sharded_mask():
     g = _sdpa((2, 4, 8, 8))
     q, k, v, m = g.inputs
     s = S(1, 4)
     got = rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: s, k: s, v: s, m: s}))
-    assert got == Decision(s)  # rules.py: enter={m: S(1, 4)}, a second scatter of a local tensor
+    assert got == Decision(s)  # the mask is local already: no second scatter

@@ -1,0 +1,86 @@
+"""Global state that a failing call must not leak, and the autograd semantics a trace would silently drop.
+
+    preserve_global_state()   restores grad mode, autocast and the default random generators' states when the
+                              body raises (a forward that fails inside its own no_grad region would otherwise leave
+                              autograd off for the whole process).
+    watch_trace()             records, while torch.export traces the model, every custom autograd.Function and
+                              every tensor.register_hook the forward calls: the traced graph keeps neither backward,
+                              so the compiler refuses such a model instead of returning wrong gradients.
+    backward_hooks(model)     module backward hooks, which a trace drops as well.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+
+import torch
+
+_PATCH_LOCK = threading.Lock()  # one trace patches torch.autograd.Function at a time
+
+
+def _autocast_state() -> list:
+    state = []
+    for device in ("cpu", "cuda"):
+        state.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+    return state
+
+
+@contextlib.contextmanager
+def preserve_global_state():
+    grad = torch.is_grad_enabled()
+    autocast = _autocast_state()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    except BaseException:
+        torch.set_grad_enabled(grad)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        raise
+
+
+def _where() -> str:
+    """The user's line that made the call (the innermost frame outside torch and fxpar)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename and "/fxpar/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    return "?"
+
+
+@contextlib.contextmanager
+def watch_trace():
+    """Yield a list that collects (what, where) for each custom autograd.Function applied and each
+    tensor.register_hook called while the body runs."""
+    seen: list[tuple[str, str]] = []
+    function, tensor = torch.autograd.Function, torch.Tensor
+    with _PATCH_LOCK:
+        apply, register_hook = function.__dict__["apply"], tensor.__dict__["register_hook"]  # the descriptors
+
+        def watched_apply(cls, *args, **kwargs):
+            seen.append((f"custom autograd.Function {cls.__qualname__}", _where()))
+            return apply.__func__(cls, *args, **kwargs)
+
+        def watched_hook(self, hook):
+            seen.append((f"tensor.register_hook({getattr(hook, '__qualname__', hook)})", _where()))
+            return register_hook(self, hook)
+
+        function.apply = classmethod(watched_apply)
+        tensor.register_hook = watched_hook
+        try:
+            yield seen
+        finally:
+            function.apply, tensor.register_hook = apply, register_hook
+
+
+def backward_hooks(model: torch.nn.Module) -> list[str]:
+    """Paths of the modules that carry backward hooks (and the global ones)."""
+    out = [name or "<root>" for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    if torch.nn.modules.module._global_backward_hooks or torch.nn.modules.module._global_backward_pre_hooks:
+        out.append("<global module backward hooks>")
+    return out

@@ -1,0 +1,122 @@
+"""Programs keyed by what the trace froze: train/eval mode and non-tensor arguments.
+
+[Note: the program includes its context]
+    torch.export specializes a trace to the module's mode (dropout on or off, batch-norm statistics) and to the
+    values of non-tensor arguments (a float scale, a flag that picks a branch, use_cache). The executable therefore
+    keeps one compiled program per (mode, non-tensor arguments): a call whose mode or arguments differ from every
+    program so far is compiled first (with the weights' sharding pinned to the first program's, and, for a
+    pipeline, the same cut into chunks), never answered by a program traced for other values.
+    A rewrite that relied on a buffer's value (a mask proven causal) is checked at each call: if the buffer changed,
+    the program is compiled again from the new value.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpar.compiler import Compiled, Target, compile_model
+
+log = logging.getLogger("fxpar")
+MANY_PROGRAMS = 8  # warn past this many: an argument that changes every call would recompile every call
+
+
+def static_key(flat: list) -> tuple:
+    """The non-tensor leaves of a call, with their types (True and 1 are different arguments)."""
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            continue
+        try:
+            hash(x)
+            out.append((type(x).__name__, x))
+        except TypeError:
+            out.append((type(x).__name__, repr(x)))
+    return tuple(out)
+
+
+def describe_mismatch(traced, args, kwargs) -> str:
+    """Which argument of a call differs in structure from the traced example, in words."""
+    example = pytree.tree_unflatten(list(traced.example_inputs), traced.in_spec)
+    want = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(example)[0]}
+    got = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path((tuple(args), kwargs or {}))[0]}
+    for path, leaf in want.items():
+        if path not in got:
+            return f"argument {_name(path)} (traced as {_short(leaf)}) is missing from the call"
+    for path, leaf in got.items():
+        if path not in want:
+            return f"argument {_name(path)} = {_short(leaf)} was not in the traced example"
+    return "the arguments nest differently than the traced example's"
+
+
+def _name(path: str) -> str:
+    """pytree key paths of (args, kwargs) in words: [0][1] -> positional argument 1, [1]['use_cache'] -> use_cache."""
+    head, rest = path[:3], path[3:]
+    if head == "[1]":
+        return rest.replace("']['", ".").strip("[]'")
+    index, _, inner = rest[1:].partition("]")
+    return f"positional argument {index}{inner}"
+
+
+def _short(x) -> str:
+    return f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+class Programs:
+    """The compiled programs of one executable, by (training, non-tensor arguments)."""
+
+    def __init__(self, first: Compiled, training: bool):
+        self.first = first
+        self.by_key = {(training, static_key(first.traced.example_inputs)): first}
+        self._seen: dict = {}  # GraphInput -> (id, _version) of the buffer last checked
+
+    def get(self, training: bool, flat: list, live_state, buffer_values) -> Compiled:
+        key = (training, static_key(flat))
+        program = self.by_key.get(key)
+        if program is not None and not self._assumptions_hold(program, live_state):
+            log.info("fxpar: a buffer a rewrite relied on changed; compiling again")
+            del self.by_key[key]
+            program = None
+        if program is None:
+            program = self.by_key[key] = self._compile(training, flat, buffer_values())
+            if len(self.by_key) > MANY_PROGRAMS:
+                warnings.warn(f"fxpar: {len(self.by_key)} programs compiled for different modes or non-tensor "
+                              "arguments; an argument that changes every call recompiles every call (pass it as a "
+                              "tensor instead)", stacklevel=4)
+        return program
+
+    def _assumptions_hold(self, program: Compiled, state) -> bool:
+        for gi, proven in program.assumed.items():
+            if gi.kind == "constant" or gi.key not in state:
+                continue  # constants do not change; another pipeline stage holds (and checks) this buffer
+            t = state[gi.key]
+            mark = (id(t), t._version)
+            if self._seen.get(gi) == mark:
+                continue
+            if t.shape != proven.shape or not torch.equal(t.detach().to(proven.device), proven):
+                return False
+            self._seen[gi] = mark
+        return True
+
+    def _compile(self, training: bool, flat: list, buffers: dict) -> Compiled:
+        first = self.first
+        leaves = [base if isinstance(base, torch.Tensor) else x for base, x in zip(first.traced.example_inputs, flat)]
+        args, kwargs = pytree.tree_unflatten(leaves, first.traced.in_spec)
+        target = first.target
+        if target.pipelined:
+            target = Target(target.comm, target.pp, True, target.streams,
+                            tuple(c.layers for c in first.partition.chunks))
+        model, was_training = first.model, first.model.training
+        model.train(training)
+        try:
+            program = compile_model(model, args, kwargs, target, first.config, buffers)
+        finally:
+            model.train(was_training)
+        if program.specs != first.specs:
+            changed = sorted(set(program.specs.items()) ^ set(first.specs.items()), key=lambda kv: kv[0])[:3]
+            raise ValueError(f"fxpar: the program for training={training} and these arguments shards the weights "
+                             f"differently than the first one ({changed}); parallelize the model in that mode "
+                             "instead")
+        return program

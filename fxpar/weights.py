@@ -1,0 +1,105 @@
+"""The executable's weights: one source of truth, read live on every call, loaded under the original keys.
+
+The executable registers this rank's shard of every weight under the model's own key (`h.0.attn.c_attn.weight`),
+in small holder modules, so optimizers, `.to()`, `.double()` and `load_state_dict(assign=True)` act on them like on
+any module. `LiveState` reads the tensors from the holders at call time, so the graph always runs on what the module
+holds now; `check_state` then compares each with what the program was traced for (dtype, device, local shape) and
+says what to do when they differ.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from fxpar.passes.meta import STATE_KINDS, input_of, placeholders
+from fxpar.passes.placements import Shard, local_shard
+
+
+class LiveState(Mapping):
+    """state_dict key (tied keys included) -> the tensor a holder module holds now."""
+
+    def __init__(self, slots: dict[str, tuple[nn.Module, str]]):
+        self.slots = slots
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        holder, leaf = self.slots[key]
+        t = holder._parameters.get(leaf)
+        return t if t is not None else holder._buffers[leaf]
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def expected_state(chunks) -> dict[str, torch.Tensor]:
+    """key -> the fake value (local shape, dtype, device) the chunks' graphs were traced with."""
+    out = {}
+    for chunk in chunks:
+        for n in placeholders(chunk.gm):
+            gi = input_of(n)
+            if gi.kind in STATE_KINDS and isinstance(n.meta.get("val"), torch.Tensor):
+                out.setdefault(gi.key, n.meta["val"])
+    return out
+
+
+def check_state(state: Mapping, expected: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first weight whose dtype, device or shape differs from the traced program's."""
+    for key, want in expected.items():
+        got = state[key]
+        if got.dtype != want.dtype or got.device != want.device or got.shape != want.shape:
+            raise ValueError(
+                f"fxpar: weight {key} is now {_describe(got)}, but the parallel program was compiled for "
+                f"{_describe(want)}. The program's ops are specialized to the traced dtypes and devices. Fix: convert "
+                "or move the model before fxpar.parallelize (model.to(...), then parallelize), and load full "
+                "tensors with pm.load_state_dict, which shards them."
+            )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).split('.')[-1]} {'x'.join(map(str, t.shape)) or 'scalar'} on {t.device}"
+
+
+def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool, assign: bool):
+    """pm.load_state_dict: full tensors under the original keys are sharded to this rank; tensors of this rank's
+    local shape are taken as they are. Keys another pipeline stage holds are skipped."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    known = set(pm._aliases)
+    unexpected = [k for k in state_dict if k not in known]
+    missing = [k for k in pm._keys if k in pm._slots and k not in state_dict]
+    if strict and (unexpected or missing):
+        raise RuntimeError(f"fxpar: load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                           f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    done = set()
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if key not in pm._slots or pm._aliases[key] in done:
+                continue  # another stage's, or a tied alias already loaded
+            done.add(pm._aliases[key])
+            local = _local_value(key, value, pm.specs.get(pm._aliases[key]), pm._live[key], pm.comm)
+            holder, leaf = pm._slots[key]
+            current = pm._live[key]
+            if assign:
+                if isinstance(current, nn.Parameter):
+                    holder._parameters[leaf] = nn.Parameter(local, requires_grad=current.requires_grad)
+                else:
+                    holder._buffers[leaf] = local
+            else:
+                current.copy_(local)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _local_value(key: str, value: torch.Tensor, spec: Shard | None, current: torch.Tensor, comm) -> torch.Tensor:
+    if spec is not None and value.shape[spec.dim] == spec.size and tuple(value.shape) != tuple(current.shape):
+        return local_shard(value.detach(), spec, comm.rank, comm.size).to(current.dtype)
+    if tuple(value.shape) == tuple(current.shape):
+        return value.detach().to(current.dtype)
+    full = list(current.shape)
+    if spec is not None:
+        full[spec.dim] = spec.size
+    raise ValueError(f"fxpar: load_state_dict: {key} has shape {tuple(value.shape)}; expected the full "
+                     f"{tuple(full)} or this rank's shard {tuple(current.shape)}")

@@ -1,0 +1,38 @@
+"""Canonicalization of the traced program, before any analysis: one placeholder per tensor.
+
+torch.export lifts a tied parameter once per name: GPT-2's `wte.weight` and `lm_head.weight` are two placeholders
+of one tensor. Left so, the analysis would see two parameters, each with fewer uses than the tensor has, and could
+shard one name while the other reads the whole tensor ([Note: every use is proven] in analysis.py). This pass gives
+each tensor one placeholder: the uses of every alias move to the canonical one (the model's first name for the
+tensor, which is also where the executable registers it), and the aliases are erased.
+"""
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from .meta import FXPAR_INPUT, GraphInput, input_of, placeholders
+
+
+def merge_aliases_pass(gm: GraphModule, canonical: dict[str, str]) -> GraphModule:
+    """Merge placeholders whose state keys name one tensor; `canonical` maps every key to its tensor's first key.
+
+    Returns gm (rewritten in place when something was merged)."""
+    kept: dict[str, object] = {}
+    merged = 0
+    for n in placeholders(gm):
+        gi = input_of(n)
+        if not gi.is_state:
+            continue
+        key = canonical.get(gi.key, gi.key)
+        if key not in kept:
+            kept[key] = n
+            if gi.key != key:
+                n.meta[FXPAR_INPUT] = GraphInput(gi.kind, key)
+            continue
+        n.replace_all_uses_with(kept[key])
+        gm.graph.erase_node(n)
+        merged += 1
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
