@@ -107,6 +107,7 @@ def launch(run, args) -> dict:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         try:
             result = run(args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return result if int(os.environ["RANK"]) == 0 else {}
@@ -134,8 +135,12 @@ def _spawned(rank: int, run, args, nproc: int, timeout: float, store_dir: str) -
         if rank == 0:
             with open(os.path.join(store_dir, "result.pkl"), "wb") as f:
                 pickle.dump(result, f)
+        dist.barrier()  # no rank tears its gloo pairs down while a peer still uses them
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown of torch's threads (it can abort: "terminate called without...")
 
 
 @contextlib.contextmanager

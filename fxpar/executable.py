@@ -102,7 +102,7 @@ class ParallelModule(nn.Module):
 
     def flatten_inputs(self, args, kwargs) -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
-        flat, spec = pytree.tree_flatten((tuple(args), kwargs or {}))
+        flat, spec = self.traced.flatten(args, kwargs)
         if spec != self.traced.in_spec:
             raise ValueError(f"fxpar: {describe_mismatch(self.traced, args, kwargs)}. The parallel program was "
                              "traced with the example's arguments. Fix: call with the same arguments as "

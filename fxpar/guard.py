@@ -59,15 +59,18 @@ def watch_trace():
     tensor.register_hook called while the body runs."""
     seen: list[tuple[str, str]] = []
     function, tensor = torch.autograd.Function, torch.Tensor
+    tracing = threading.get_ident()  # other threads (ranks of a threaded group) may call Functions meanwhile
     with _PATCH_LOCK:
         apply, register_hook = function.__dict__["apply"], tensor.__dict__["register_hook"]  # the descriptors
 
         def watched_apply(cls, *args, **kwargs):
-            seen.append((f"custom autograd.Function {cls.__qualname__}", _where()))
+            if threading.get_ident() == tracing:
+                seen.append((f"custom autograd.Function {cls.__qualname__}", _where()))
             return apply.__func__(cls, *args, **kwargs)
 
         def watched_hook(self, hook):
-            seen.append((f"tensor.register_hook({getattr(hook, '__qualname__', hook)})", _where()))
+            if threading.get_ident() == tracing:
+                seen.append((f"tensor.register_hook({getattr(hook, '__qualname__', hook)})", _where()))
             return register_hook(self, hook)
 
         function.apply = classmethod(watched_apply)

@@ -114,7 +114,7 @@ class PipelineModule(ParallelModule):
 
     def _microbatches(self, args, kwargs, target):
         g, m = self.groups, self.config.microbatches
-        flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+        flat, spec = self.traced.flatten(args, kwargs)
         if spec != self.traced.in_spec:
             raise ValueError(f"fxpar step: {describe_mismatch(self.traced, args, kwargs)}; pass step() the same "
                              "arguments as "

@@ -37,10 +37,18 @@ class Traced:
     example_inputs: list  # flattened user inputs of the example
     constants: dict
     model_name: str = ""
+    kwarg_order: tuple[str, ...] = ()
+
+    def flatten(self, args, kwargs) -> tuple[list, pytree.TreeSpec]:
+        """Flatten a call like the example: keyword arguments in the traced order, however they were passed."""
+        kwargs = kwargs or {}
+        if set(kwargs) == set(self.kwarg_order):
+            kwargs = {k: kwargs[k] for k in self.kwarg_order}
+        return pytree.tree_flatten((tuple(args), kwargs))
 
     def flatten_call(self, args, kwargs, where: str = "fxpar") -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
-        flat, spec = pytree.tree_flatten((tuple(args), kwargs or {}))
+        flat, spec = self.flatten(args, kwargs)
         if spec != self.in_spec:
             raise ValueError(
                 f"{where}: the call's arguments have a different structure than the traced example.\n"
@@ -115,4 +123,4 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     for n in gm.graph.nodes:
         n.meta[FXPAR_ORIGIN] = n.name
     flat, in_spec = pytree.tree_flatten((tuple(args), kwargs))
-    return Traced(gm, tuple(inputs), in_spec, ep.call_spec.out_spec, flat, dict(ep.constants), name)
+    return Traced(gm, tuple(inputs), in_spec, ep.call_spec.out_spec, flat, dict(ep.constants), name, tuple(kwargs))

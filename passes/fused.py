@@ -4,8 +4,9 @@ Pattern: follow the GEMM's output feature dim forward through ops that keep it i
 elementwise) until something partitions it:
     split / split_with_sizes / chunk along it            -> the pieces' sizes       (GPT-2 c_attn, Phi-3 gate_up)
     slices along it that tile it                         -> the slices' sizes       (Phi-3 qkv_proj, GQA sizes)
-    a view/unflatten of it into (k, D/k), whose k dim is then selected or unbound
-                                                         -> k parts of D/k          (nn.MultiheadAttention in_proj)
+    a view/unflatten of it into (k, ...) with the product D, whose k dim is then selected or unbound (maybe after
+    a transpose or permute)                              -> k parts of D/k          (nn.MultiheadAttention in_proj,
+                                                                                     timm's view(B, N, 3, H, hd))
 The analysis then shards the GEMM with Shard(parts=...), which is the head-interleaved layout of
 [Note: head-interleaved QKV]; if the parts do not suit the model after all, its rules refuse and nothing is sharded.
 A view into (nh, 3*hd) followed by a split of the inner dim (GPT-NeoX) is already head-major: no parts needed.
@@ -75,14 +76,16 @@ def _through(u: Node, src: Node, dim: int, depth: int):
         return _follow(u, {a: b, b: a}.get(dim, dim), depth + 1)
     if u.target in (aten.view.default, aten.reshape.default, aten.unflatten.int, aten._unsafe_view.default):
         before = math.prod(_shape(src)[:dim])
+        size = _shape(src)[dim]
         for j in range(len(out)):
             if math.prod(out[:j]) != before:
                 continue
-            if out[j] == _shape(src)[dim]:
+            if out[j] == size:
                 return _follow(u, j, depth + 1)  # the dim kept whole
-            if j + 1 < len(out) and out[j] * out[j + 1] == _shape(src)[dim]:
-                k = out[j]  # split into (k, D/k): parts if the k dim is later picked apart
-                return (out[j + 1],) * k if k > 1 and _picked(u, j, depth) else None
+            for end in range(j + 2, len(out) + 1):  # split into (k, ...) with the product D: (3, heads, hd)
+                if math.prod(out[j:end]) == size:
+                    k = out[j]  # parts if the k dim is later picked apart
+                    return (size // k,) * k if k > 1 and _picked(u, j, depth) else None
         return None
     return None
 
@@ -106,6 +109,10 @@ def _picked(node: Node, dim: int, depth: int) -> bool:
         if u.target is aten.transpose.int:
             a, b = _norm(u.args[1], nd), _norm(u.args[2], nd)
             if _picked(u, {a: b, b: a}.get(dim, dim), depth + 1):
+                return True
+        if u.target is aten.permute.default:
+            order = [_norm(d, nd) for d in u.args[1]]
+            if _picked(u, order.index(dim), depth + 1):
                 return True
         if u.target is aten.squeeze.dim:
             k = _norm(u.args[1], nd)

@@ -50,8 +50,9 @@ class _Inserter:
     def __init__(self, gm: GraphModule, analysis: Analysis, comm: TPComm):
         self.gm, self.analysis, self.comm, self.cache = gm, analysis, comm, {}
 
-    def enter(self, inp: Node, how: Shard | None) -> Node:
-        if how is None and inp not in self.analysis.grad_nodes:
+    def enter(self, inp: Node, how: Shard | None, original: Node | None = None) -> Node:
+        """`inp` entering a region (f, or scattered); `original` is the analysed node it replaced, if any."""
+        if how is None and (original or inp) not in self.analysis.grad_nodes:
             return inp  # no gradient can flow into it: f would be a no-op
         key = (inp, how)
         if key not in self.cache:
@@ -105,7 +106,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         for node in gm.graph.nodes:  # nothing sharded: every value is replicated (a metadata-only change)
             node.meta[FXPAR_PLACEMENT] = R
         return gm
-    ins = _Inserter(gm, analysis, comm)
+    ins, replaced = _Inserter(gm, analysis, comm), {}
     for node in list(gm.graph.nodes):
         if FXPAR_COMM not in node.meta:
             node.meta[FXPAR_PLACEMENT] = analysis.placements.get(node, R)
@@ -117,7 +118,8 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         if d.target is not None:
             node.target = d.target
         for inp, how in d.enter.items():
-            node.replace_input_with(inp, ins.enter(inp, how))
+            now = replaced.get(inp, inp)  # an input the pass already replaced (the vocab lookup)
+            node.replace_input_with(now, ins.enter(now, how, inp))
         if d.role == "row":
             _reduce_then_bias(gm, node, comm)
         elif d.role == "vocab_embedding":
@@ -127,6 +129,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             lookup.meta.update({k: node.meta[k] for k in keep if k in node.meta})
             node.replace_all_uses_with(lookup)
             gm.graph.erase_node(node)
+            replaced[node] = lookup
         elif d.role == "vocab_head":
             _vocab_head(gm, node, comm)
     gm.graph.lint()

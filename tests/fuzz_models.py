@@ -1,0 +1,260 @@
+"""A generator of Transformer-like models nobody wrote by hand, for the differential fuzzer (tests/fuzz.py).
+
+`generate(seed)` returns the Python source of a module defining `Model` (an nn.Module) and `example()` (its
+example args and kwargs): a deterministic function of the seed, so a failing model is saved and rerun as a
+standalone file. The grammar covers the op families the rules cover and the hazards of the soundness issue:
+
+    GEMMs        nn.Linear, F.linear, x @ W.t(), x @ W, einsum('bsh,hf->bsf'), addmm on a flattened input
+    activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up)
+    attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V, rotary
+                 arithmetic, scores by matmul or einsum, causal masks (a buffer, triu built in the graph, additive),
+                 SDPA, attention dropout, a per-head projection, scores carried into the next layer
+    norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
+    blocks       pre-norm, post-norm, parallel attention + MLP; a ModuleList of layers
+    hazards      a parameter read twice (regularizer), a weight shared by two GEMMs, a sharded value returned,
+                 a mode-dependent branch, dropout, token embeddings tied or not, sizes t divides and not
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Code:
+    init: list[str] = field(default_factory=list)
+    body: list[str] = field(default_factory=list)
+    n: int = 0
+
+    def name(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+
+class _Layer:
+    """Emits one layer's __init__ and forward lines over the residual stream `x` of shape (B, S, H)."""
+
+    def __init__(self, rng: random.Random, cfg: dict):
+        self.r, self.c, self.code = rng, cfg, _Code()
+        self.side = None  # a hidden activation the model also returns
+
+    def param(self, *shape) -> str:
+        name = self.code.name("w")
+        fan = shape[0] if len(shape) > 1 else 1
+        self.code.init.append(f"self.{name} = nn.Parameter(torch.randn({', '.join(map(str, shape))}) / {fan ** 0.5:.4f})")
+        return f"self.{name}"
+
+    def emit(self, line: str) -> None:
+        self.code.body.append(line)
+
+    def gemm(self, inp: str, fin: int, fout: int, bias: bool | None = None, batched: bool = False) -> str:
+        """inp (B, S, fin) -> (B, S, fout) in a random spelling; `batched`: inp has more leading dims (per head)."""
+        r, out = self.r, self.code.name("h")
+        bias = r.random() < 0.5 if bias is None else bias
+        spellings = ["linear", "linear", "F.linear", "wt", "w"] + ([] if batched else ["einsum", "addmm"])
+        spelling = r.choice(spellings)
+        if spelling == "linear":
+            mod = self.code.name("lin")
+            self.code.init.append(f"self.{mod} = nn.Linear({fin}, {fout}, bias={bias})")
+            self.emit(f"{out} = self.{mod}({inp})")
+            return out
+        w = self.param(fin, fout) if spelling in ("w", "einsum", "addmm") else self.param(fout, fin)
+        b = self.param(fout) if bias or spelling == "addmm" else None
+        if spelling == "F.linear":
+            self.emit(f"{out} = F.linear({inp}, {w}{', ' + b if b else ''})")
+        elif spelling == "wt":
+            self.emit(f"{out} = {inp} @ {w}.t(){' + ' + b if b else ''}")
+        elif spelling == "w":
+            self.emit(f"{out} = {inp} @ {w}{' + ' + b if b else ''}")
+        elif spelling == "einsum":
+            self.emit(f"{out} = torch.einsum('bsh,hf->bsf', {inp}, {w}){' + ' + b if b else ''}")
+        else:
+            self.emit(f"{out} = torch.addmm({b}, {inp}.flatten(0, 1), {w}).view({inp}.shape[0], {inp}.shape[1], "
+                      f"{fout})")
+        return out
+
+    def act(self, h: str) -> str:
+        out = self.code.name("a")
+        kind = self.r.choice(["relu", "gelu", "gelu_tanh", "newgelu", "silu", "tanh", "none"])
+        expr = {"relu": f"F.relu({h})", "gelu": f"F.gelu({h})", "gelu_tanh": f"F.gelu({h}, approximate='tanh')",
+                "newgelu": f"0.5 * {h} * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * ({h} + 0.044715 * "
+                           f"torch.pow({h}, 3.0))))",
+                "silu": f"F.silu({h})", "tanh": f"torch.tanh({h})", "none": h}[kind]
+        self.emit(f"{out} = {expr}")
+        return out
+
+    def dropout(self, h: str) -> str:
+        if self.r.random() < 0.3:
+            self.emit(f"{h} = F.dropout({h}, {self.c['p']}, self.training)")
+        return h
+
+    def norm(self, x: str) -> str:
+        H, kind, out = self.c["H"], self.r.choice(["layer", "rms", "stats", "none"]), self.code.name("n")
+        if kind == "layer":
+            mod = self.code.name("ln")
+            self.code.init.append(f"self.{mod} = nn.LayerNorm({H})")
+            self.emit(f"{out} = self.{mod}({x})")
+        elif kind == "rms":
+            w = self.param(H)
+            self.emit(f"{out} = {x} * torch.rsqrt({x}.pow(2).mean(-1, keepdim=True) + 1e-6) * {w}")
+        elif kind == "stats":
+            self.emit(f"{out} = ({x} - {x}.mean(-1, keepdim=True)) / ({x}.var(-1, keepdim=True, unbiased=False) + "
+                      "1e-5).sqrt()")
+        else:
+            return x
+        return out
+
+    def mlp(self, x: str) -> str:
+        H, F = self.c["H"], self.c["F"]
+        if self.r.random() < 0.3:  # gated: fused gate|up or two GEMMs
+            if self.r.random() < 0.5:
+                gu = self.gemm(x, H, 2 * F, bias=False)
+                g, u = self.code.name("g"), self.code.name("u")
+                self.emit(f"{g}, {u} = {gu}.chunk(2, dim=-1)")
+            else:
+                g, u = self.gemm(x, H, F, bias=False), self.gemm(x, H, F, bias=False)
+            h = self.code.name("h")
+            self.emit(f"{h} = F.silu({g}) * {u}")
+        else:
+            h = self.act(self.gemm(x, H, F))
+        if self.r.random() < 0.15:  # statistics of the hidden activation
+            op = self.r.choice(["var(1, keepdim=True, unbiased=False)", "std(1, keepdim=True)", "mean(1, keepdim=True)",
+                                "norm(dim=1, keepdim=True)"])
+            self.emit(f"{h} = {h} / (1 + {h}.{op})")
+        if self.c["side"] and self.side is None:
+            self.side = h  # a hidden activation returned by the model: a sharded value reaching the output
+        return self.dropout(self.gemm(self.dropout(h), F, H))
+
+    def attention(self, x: str, prev: str | None) -> tuple[str, str | None]:
+        c, r = self.c, self.r
+        H, nh, kvh, S = c["H"], c["heads"], c["kv_heads"], c["S"]
+        hd = H // nh
+        style = r.choice(["split", "view3", "separate", "separate"])
+        if style == "split" and kvh == nh:
+            qkv = self.gemm(x, H, 3 * H)
+            q, k, v = (self.code.name(p) for p in "qkv")
+            self.emit(f"{q}, {k}, {v} = {qkv}.split({H}, dim=2)")
+            for t in (q, k, v):
+                self.emit(f"{t} = {t}.view({x}.shape[0], {S}, {nh}, {hd}).transpose(1, 2)")
+        elif style == "view3" and kvh == nh:
+            qkv = self.gemm(x, H, 3 * H)
+            q, k, v = (self.code.name(p) for p in "qkv")
+            self.emit(f"{q}, {k}, {v} = {qkv}.view({x}.shape[0], {S}, 3, {nh}, {hd}).permute(2, 0, 3, 1, 4)"
+                      ".unbind(0)")
+        else:
+            q, k, v = self.gemm(x, H, H), self.gemm(x, H, kvh * hd), self.gemm(x, H, kvh * hd)
+            for t, heads in ((q, nh), (k, kvh), (v, kvh)):
+                self.emit(f"{t} = {t}.view({x}.shape[0], {S}, {heads}, {hd}).transpose(1, 2)")
+            if kvh != nh:
+                for t in (k, v):
+                    self.emit(f"{t} = {t}.repeat_interleave({nh // kvh}, dim=1)")
+        if r.random() < 0.3 and hd % 2 == 0:  # rotary arithmetic with cos/sin buffers
+            cos, sin = self.code.name("cos"), self.code.name("sin")
+            self.code.init.append(f"self.register_buffer('{cos}', torch.cos(torch.arange({S * hd}.0).view({S}, {hd})))")
+            self.code.init.append(f"self.register_buffer('{sin}', torch.sin(torch.arange({S * hd}.0).view({S}, {hd})))")
+            for t in (q, k):
+                half = hd // 2
+                self.emit(f"{t} = {t} * self.{cos} + torch.cat([-{t}[..., {half}:], {t}[..., :{half}]], dim=-1) * "
+                          f"self.{sin}")
+        y, scores = self.code.name("y"), None
+        mask = r.choice(["none", "buffer", "triu", "additive"])
+        if r.random() < 0.25 and prev is None:
+            causal = ", is_causal=True" if mask != "none" else ""
+            self.emit(f"{y} = F.scaled_dot_product_attention({q}, {k}, {v}{causal})")
+        else:
+            scores = self.code.name("s")
+            if r.random() < 0.5:
+                self.emit(f"{scores} = ({q} @ {k}.transpose(-2, -1)) * {hd ** -0.5:.5f}")
+            else:
+                self.emit(f"{scores} = torch.einsum('bhid,bhjd->bhij', {q}, {k}) * {hd ** -0.5:.5f}")
+            if prev is not None:
+                self.emit(f"{scores} = {scores} + {prev}")
+            if mask == "buffer":
+                m = self.code.name("mask")
+                self.code.init.append(f"self.register_buffer('{m}', torch.tril(torch.ones({S}, {S})).view(1, 1, {S}, "
+                                      f"{S}))")
+                probs_in = f"{scores}.masked_fill(self.{m} == 0, float('-inf'))"
+            elif mask == "triu":
+                probs_in = f"{scores}.masked_fill(torch.triu(torch.ones({S}, {S}, dtype=torch.bool), 1), float('-inf'))"
+            elif mask == "additive":
+                probs_in = f"{scores} + torch.triu(torch.full(({S}, {S}), -1e4), 1)"
+            else:
+                probs_in = scores
+            p = self.code.name("p")
+            self.emit(f"{p} = {probs_in}.softmax(-1)")
+            p = self.dropout(p)
+            self.emit(f"{y} = {p} @ {v}")
+        if r.random() < 0.15:  # a per-head projection before the heads merge
+            y = self.gemm(y, hd, hd, batched=True)
+        merged = self.code.name("m")
+        self.emit(f"{merged} = {y}.transpose(1, 2).reshape({x}.shape[0], {S}, {H})")
+        return self.dropout(self.gemm(merged, H, H)), scores
+
+    def build(self, carry_scores: bool) -> _Code:
+        """The layer: x (and the previous layer's scores) -> x (and its scores)."""
+        kind = self.r.choice(["pre", "pre", "post", "parallel"])
+        a, scores = self.attention(self.norm("x"), "prev" if carry_scores else None)
+        if kind == "parallel":
+            n = self.norm("x")
+            self.emit(f"x = x + {a} + {self.mlp(n)}")
+        elif kind == "post":
+            n = self.norm(f"(x + {a})")
+            self.emit(f"x = {n} + {self.mlp(n)}")
+        else:
+            self.emit(f"x = x + {a}")
+            self.emit(f"x = x + {self.mlp(self.norm('x'))}")
+        if self.r.random() < 0.1:
+            self.emit("x = x * 1.5 if self.training else x")  # a mode-dependent branch
+        self.emit(f"return x, {scores if carry_scores and scores else 'prev'}, {self.side or 'None'}")
+        return self.code
+
+
+def _config(r: random.Random) -> dict:
+    H = r.choice([8, 12, 16, 16, 24])
+    heads = r.choice([d for d in (1, 2, 3, 4, 6, 8) if H % d == 0 and H // d >= 2])
+    kv_heads = r.choice([d for d in (1, 2, heads) if heads % d == 0])
+    F = r.choice([2 * H, 3 * H, 4 * H, 2 * H + 1])
+    vocab = r.choice([0, 16, 17, 32])
+    return dict(H=H, heads=heads, kv_heads=kv_heads, F=F, S=r.choice([4, 8]), layers=r.choice([1, 2, 2, 3, 4]),
+                vocab=vocab, tied=bool(vocab) and r.random() < 0.5, p=0.0, carry=r.random() < 0.1,
+                regularize=r.random() < 0.1, head=r.random() < 0.7, side=r.random() < 0.08)
+
+
+def generate(seed: int) -> str:
+    """The source of one random model (see the module docstring)."""
+    r = random.Random(seed)
+    c = _config(r)
+    layer = _Layer(r, c).build(c["carry"])
+    H, S, V = c["H"], c["S"], c["vocab"]
+    lines = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", "",
+             f"CONFIG = {c!r}", "", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    lines += [f"        {line}" for line in layer.init] or ["        pass"]
+    lines += ["", "    def forward(self, x, prev):"] + [f"        {line}" for line in layer.body]
+    lines += ["", "", "class Model(nn.Module):", "    def __init__(self):", "        super().__init__()",
+              f"        self.layers = nn.ModuleList(Layer() for _ in range({c['layers']}))"]
+    if V:
+        lines.append(f"        self.wte = nn.Embedding({V}, {H})")
+    if c["head"] or c["tied"]:
+        lines.append(f"        self.head = nn.Linear({H}, {V or H}, bias={not c['tied']})")
+        if c["tied"]:
+            lines.append("        self.head.weight = self.wte.weight")
+    lines += ["", "    def forward(self, inp):", "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
+              f"        prev = torch.zeros(x.shape[0], {c['heads']}, {S}, {S})", "        side = []",
+              "        for layer in self.layers:", "            x, prev, s = layer(x, prev)",
+              "            if s is not None:", "                side.append(s)"]
+    if c["head"] or c["tied"]:
+        lines.append("        x = self.head(x)")
+    if c["regularize"]:
+        lines.append("        x = x + 1e-3 * sum(p.pow(2).sum() for p in self.layers[0].parameters())")
+    lines += ["        return (x, *side) if side else x", "", "", "def example():",
+              "    g = torch.Generator().manual_seed(1)"]
+    lines.append(f"    return (torch.randint(0, {V}, (2, {S}), generator=g),), {{}}" if V else
+                 f"    return (torch.randn(2, {S}, {H}, generator=g),), {{}}")
+    return "\n".join(lines) + "\n"
+
+
+def load(source: str):
+    """(Model class, example function) of a generated source, in a namespace of its own."""
+    namespace: dict = {}
+    exec(compile(source, "<fxpar fuzz model>", "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace["Model"], namespace["example"]
