@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast fuzz bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -18,6 +18,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)  # one-process tests only: no gloo ranks, no torchrun, nothing slow
 	$(PY) -m pytest -q tests -m "not gloo and not torchrun and not slow"
+
+N ?= 5000
+fuzz: $(STAMP)  # the differential fuzzer's long mode: N generated models on 2 cores; failures saved in fuzz-failures/
+	$(PY) -m tests.fuzz --count $(N) --jobs 2 --out fuzz-failures
 
 bench: $(STAMP)
 	$(PY) benchmarks/tp_step.py

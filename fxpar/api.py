@@ -22,17 +22,19 @@ from fxpar.pipeline import PipelineModule
 
 
 def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
-          mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1) -> ParallelModule:
+          mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1, traced=None) -> ParallelModule:
     """Compile `model` for the rank described by `comm` and return its executable.
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
-    mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule."""
+    mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule.
+    traced: a trace of this model to reuse instead of tracing again (see compiler.compile_model)."""
     config = config or Config()
     pipelined = loss_fn is not None or pp > 1
     pp = mesh.size(0) if mesh is not None else pp
     streams = _streams(config, comm, mesh, example_args)
-    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config)
+    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config,
+                             traced=traced)
     if loss_fn is not None and mesh is not None:
         pm = PipelineModule(model, compiled, mesh, loss_fn)
     else:

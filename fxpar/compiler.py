@@ -13,6 +13,7 @@ into graphs of its own. Stages hand each other typed metadata (passes/meta.py), 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from fxpar.passes.canonicalize import merge_aliases_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.local_shapes import local_shapes_pass
 from fxpar.passes.lower_schedule import Program, lower_program
-from fxpar.passes.meta import FXPAR_ASSUMES, GraphInput, param_nodes
+from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
 from fxpar.passes.ops import TPComm
 from fxpar.passes.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.placements import Shard
@@ -229,9 +230,43 @@ def _same_kind(e: Exception, message: str) -> Exception:
 
 
 def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | None, target: Target,
-                  config: Config | None = None, buffers: dict | None = None) -> Compiled:
+                  config: Config | None = None, buffers: dict | None = None, traced: Traced | None = None) -> Compiled:
     """Compile `model` for one rank: every stage of STAGES. The model itself is not modified.
 
-    buffers: the buffer values the rewrites may rely on (a recompile passes the executable's own)."""
+    buffers: the buffer values the rewrites may rely on (a recompile passes the executable's own).
+    traced: the trace stage's product, made once for several ranks or targets of one model in one process (the
+    threaded ranks of tests/fuzz.py): it must be `trace(model, example_args, example_kwargs)` of an equal model;
+    the stages never rewrite it. Its inputs are checked against the model's state."""
     c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config(), buffers=buffers)
-    return run_stages(c)
+    if traced is None:
+        return run_stages(c)
+    _check_trace_of(traced, model)
+    c.traced = traced
+    c.done.append("trace (given)")
+    return run_stages(c, STAGES[1:])
+
+
+def retarget(c: Compiled, model: nn.Module, pp: int, pipelined: bool = True) -> Compiled:
+    """c's program for another pipeline size: the stages up to `recompute` do not depend on the pipeline, so their
+    products are shared (the partition copies the nodes it takes, no later stage rewrites them) and only
+    partition .. compile run again. model: the module the new executable reads its weights from (an equal one)."""
+    first = [name for name, _, _ in STAGES].index("partition")
+    _check_trace_of(c.traced, model)
+    target = dataclasses.replace(c.target, pp=pp, pipelined=pipelined, chunk_layers=None)
+    fresh = dataclasses.replace(c, model=model, target=target, partition=None, schedule=None, program=None,
+                                proof=None, callables=None, done=c.done[:first] + ["(retargeted)"])
+    return run_stages(fresh, STAGES[first:])
+
+
+def _check_trace_of(traced: Traced, model: nn.Module) -> None:
+    """Every parameter and buffer the trace reads exists in `model` with the traced shape."""
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    for n in traced.gm.graph.find_nodes(op="placeholder"):
+        gi = n.meta[FXPAR_INPUT]
+        if gi.kind not in (PARAMETER, BUFFER):
+            continue
+        t, want = state.get(gi.key), tuple(n.meta["val"].shape)
+        if t is None or tuple(t.shape) != want:
+            got = "missing from the model" if t is None else f"{tuple(t.shape)} in the model"
+            raise ValueError(f"fxpar: the given trace is not of this {type(model).__name__}: its {gi.kind} {gi.key} "
+                             f"was traced as {want} and is {got}. Fix: trace this model (or pass traced=None).")

@@ -3,9 +3,10 @@
 Glossary
     indexed module  a module on a node's stack whose path ends in an integer: `h.3`, `model.layers.0`, `0`.
     block           the entries of one ModuleList (or Sequential) with at least two indices that are modules with
-                    submodules of their own: the modules whose paths are `<parent>.<i>`. A model can have several
-                    (an encoder's and a decoder's layers; the experts inside each MoE layer). A Sequential of
-                    leaf modules (Linear, ReLU) is not a block: its entries are ops, not layers.
+                    submodules of their own, or modules of the user's own classes (a layer that holds bare
+                    Parameters): the modules whose paths are `<parent>.<i>`. A model can have several (an encoder's
+                    and a decoder's layers; the experts inside each MoE layer). A Sequential of torch.nn's leaf
+                    modules (Linear, ReLU) is not a block: its entries are ops, not layers.
     main block      the block whose entries own the most nodes, times the most entries, ties to the shortest path:
                     the model's transformer layers (`h`, `model.layers`). The pipeline cuts between its entries.
     layer of a node its entry of the main block if it has one, else its outermost entry of any other block
@@ -60,14 +61,21 @@ def _indexed(node: Node) -> list[tuple[str, int, str]]:
     return out
 
 
+def _type_name(kind) -> str:
+    """The qualified name of a module type as nn_module_stack records it (a class or its name)."""
+    return kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def find_layers(graph_or_gm: Graph | GraphModule) -> Layers:
     """The blocks of a graph, its main block, and the layer of every node (see the module docstring)."""
     graph = getattr(graph_or_gm, "graph", graph_or_gm)
-    inner = set()  # every module path that has a submodule on some node's stack
+    inner = set()  # every module path that has a submodule on some node's stack, or is of a user's class
     for n in graph.nodes:
-        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+        for path, kind in (n.meta.get("nn_module_stack") or {}).values():
             parts = path.split(".")
             inner.update(".".join(parts[:i]) for i in range(1, len(parts)))
+            if not _type_name(kind).startswith("torch.nn."):
+                inner.add(path)
     seen: dict[str, set[int]] = {}
     owned: Counter = Counter()
     stacks = {}

@@ -88,7 +88,8 @@ def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> None:
         u.replace_input_with(node, out)
 
 
-def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> None:
+def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> Node:
+    """Column-parallel over the vocabulary, then all-gathered; returns the gathered (replicated) logits."""
     users = list(node.users)
     vocab = node.meta["val"].shape[-1]
     node.meta[FXPAR_PLACEMENT] = Shard(node.meta["val"].dim() - 1, (vocab,))
@@ -96,6 +97,7 @@ def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> None:
         out = call_comm(gm, "gather", comm, (node,), {"dim": -1})
     for u in users:
         u.replace_input_with(node, out)
+    return out
 
 
 def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> GraphModule:
@@ -118,7 +120,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         if d.target is not None:
             node.target = d.target
         for inp, how in d.enter.items():
-            now = replaced.get(inp, inp)  # an input the pass already replaced (the vocab lookup)
+            now = replaced.get(inp, inp)  # an input the pass already replaced (the vocab lookup, gathered logits)
             node.replace_input_with(now, ins.enter(now, how, inp))
         if d.role == "row":
             _reduce_then_bias(gm, node, comm)
@@ -131,7 +133,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             gm.graph.erase_node(node)
             replaced[node] = lookup
         elif d.role == "vocab_head":
-            _vocab_head(gm, node, comm)
+            replaced[node] = _vocab_head(gm, node, comm)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -2,8 +2,8 @@
 
 Pattern: the largest aten.embedding over a weight parameter is the token embedding, its rows the vocabulary V. Each
 rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and all-reduces (one
-all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V (or whose weight is
-the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
+all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V and whose logits reach the
+output (or whose weight is the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
 through f, and its logits all-gathered so the caller sees the full logits. Tied weights share the one shard, so their
 gradients meet in the same local tensor. Why it is safe: both are exact reformulations with the sums and
 concatenations done by the collectives.
@@ -27,14 +27,35 @@ def _embeddings(gm, params):
     ]
 
 
+_GEMMS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+          aten.einsum.default}
+
+
+def _reaches_output(n: Node) -> bool:
+    """Some path from n reaches the graph's output without passing another GEMM: logits, not a hidden state that
+    a later layer multiplies (a GEMM with H = V output features inside a layer is not the LM head)."""
+    seen, todo = set(), [n]
+    while todo:
+        for u in todo.pop().users:
+            if u.op == "output":
+                return True
+            if u not in seen and not (u.op == "call_function" and u.target in _GEMMS):
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
 def _heads(gm, params, analysis: Analysis, vocab: int, weight: Node):
-    """Linear GEMMs over the vocabulary that no region decided, whose input is replicated and whose own weight (an
-    untied head's) has no other use ([Note: every use is proven] in analysis.py)."""
+    """Linear GEMMs over the vocabulary that no region decided, whose input is replicated, whose own weight (an
+    untied head's) has no other use ([Note: every use is proven] in analysis.py), and whose logits reach the output
+    (an untied head's: with its weight's rows V it could be any GEMM of H = V features)."""
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.linear.default or n in analysis.decisions:
             continue
         w = n.args[1]
         if w not in params or not (w is weight or tuple(w.meta["val"].shape)[0] == vocab):
+            continue
+        if w is not weight and not _reaches_output(n):
             continue
         if w is not weight and other_use(w, n) is not None:
             continue

@@ -181,7 +181,7 @@ class _Layer:
             else:
                 probs_in = scores
             p = self.code.name("p")
-            self.emit(f"{p} = {probs_in}.softmax(-1)")
+            self.emit(f"{p} = ({probs_in}).softmax(-1)")
             p = self.dropout(p)
             self.emit(f"{y} = {p} @ {v}")
         if r.random() < 0.15:  # a per-head projection before the heads merge

@@ -163,6 +163,28 @@ class TinyLM(nn.Module):
         return self.lm_head(x + self.mlp(x))
 
 
+class HiddenIsVocab(nn.Module):
+    """Hidden size equal to the vocabulary: fc2 has V output features, yet it is no LM head (its output feeds the
+    head, it is not logits). fc1's region is refused (no rule for a statistic over the sequence), so fc2 is free."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.fc1, self.fc2 = nn.Embedding(H, H), nn.Linear(H, 3 * H), nn.Linear(3 * H, H, bias=False)
+        self.proj, self.head = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        a = F.silu(self.fc1(x))
+        a = a / (1 + a.std(1, keepdim=True))
+        x = x + self.fc2(a) + self.proj(F.relu(x))
+        return self.head(x)
+
+
+def hidden_is_vocab():
+    torch.manual_seed(0)
+    return HiddenIsVocab(), (torch.randint(0, H, (BATCH, SEQ), generator=torch.Generator().manual_seed(2)),), {}
+
+
 def _plain(cls):
     def build():
         torch.manual_seed(0)
@@ -186,4 +208,5 @@ BUILDERS = {
     "branchy": _plain(Branchy),
     "causal_buffer": _plain(CausalBuffer),
     "tiny_lm": tiny_lm,
+    "hidden_is_vocab": hidden_is_vocab,
 }

@@ -46,7 +46,7 @@ def _tp_exact(name: str):
 
 
 @pytest.mark.parametrize("name", ["bias_regularized", "shared_bias", "weight_read_twice", "per_head_linear",
-                                  "addmm_activation", "var_statistics", "residual_scores"])
+                                  "addmm_activation", "var_statistics", "residual_scores", "hidden_is_vocab"])
 def test_hazardous_models_are_exact_at_t2(pool2, name):
     for fwd, params, _ in pool2.run(_tp_exact, name):
         assert fwd <= TOL and params <= TOL, (name, fwd, params)

@@ -1,0 +1,55 @@
+"""The differential fuzzer (tests/fuzz.py): a fixed batch of generated models, the frozen failures it found, and a
+check that it catches a wrong rewrite. `make fuzz N=5000` runs the long mode."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fuzz import BAD, Threaded, fuzz_jobs, report, run_one
+from tests.fuzz_models import generate
+
+BATCH = 300
+REGRESSIONS = sorted((Path(__file__).parent / "fuzz_regressions").glob("*.py"))
+
+
+@pytest.mark.slow
+def test_a_fixed_batch_is_exact_or_refused(tmp_path):
+    summary = fuzz_jobs(0, BATCH, jobs=2, out_dir=str(tmp_path))
+    counts = summary["counts"]
+    text = report(summary, BATCH, 0, 0.0)
+    assert not summary["failures"], text  # each failing model is saved in tmp_path as a reproduction
+    assert sum(counts[k] for k in BAD) == 0 and counts["exact"] + counts["refused"] == BATCH, text
+    # the batch tests something: most models shard and are exact, most with layers also through the p=2 cut
+    assert counts["exact, sharded"] >= BATCH // 2 and counts["p=2 chained: exact"] >= BATCH // 3, text
+    assert counts["exact, float64 arbiter"] <= BATCH // 20, text  # arbitration stays the exception
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_a_failure_the_fuzzer_found_stays_fixed(path):
+    with Threaded():
+        result = run_one(path.read_text())
+    assert result["outcome"] in ("exact", "refused"), result
+
+
+def test_the_generator_is_deterministic_and_varied():
+    assert generate(7) == generate(7)
+    sources = {generate(s) for s in range(20)}
+    assert len(sources) == 20
+    features = ["einsum", "addmm", "repeat_interleave", "scaled_dot_product_attention", "masked_fill", "self.head",
+                "nn.Embedding", "F.dropout", "self.training", "unbind", "rsqrt", ".var("]
+    missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
+    assert not missing, missing
+
+
+def test_the_fuzzer_catches_a_wrong_rewrite(monkeypatch):
+    """Sabotage the tensor-parallel pass (the row-parallel all-reduce g becomes the identity f): the fuzzer must
+    report a mismatch, not exact."""
+    import fxpar.passes.tp as tp
+
+    real = tp.call_comm
+    monkeypatch.setattr(tp, "call_comm", lambda gm, kind, *a, **k: real(gm, "f" if kind == "g" else kind, *a, **k))
+    seed = next(s for s in range(50) if "F.gelu" in generate(s) or "F.relu" in generate(s))
+    with Threaded():
+        result = run_one(generate(seed))
+    assert result["outcome"] == "mismatch", result
