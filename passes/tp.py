@@ -45,18 +45,26 @@ def call_comm(gm: GraphModule, kind: str, comm: TPComm, args: tuple, kwargs: dic
 
 
 class _Inserter:
-    """Creates the f / scatter nodes once per (input, kind) and reuses them."""
+    """Creates the f / scatter node of an input right before the node that reads it, and reuses it for later readers
+    when the graph mutates nothing.
+
+    [Note: reads after mutation] Export keeps a forward's in-place ops (`states[:, t] = h` is copy_ into a view), so
+    a node's value is what its storage holds when a reader runs, not when it was made. A collective placed right after
+    the producer would read the tensor before the later writes (zeros, for a buffer filled in a loop). Placed before
+    the reader, it reads what the reader would have read; in a graph with a mutating op, every reader gets its own."""
 
     def __init__(self, gm: GraphModule, analysis: Analysis, comm: TPComm):
         self.gm, self.analysis, self.comm, self.cache = gm, analysis, comm, {}
+        self.mutates = any(n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+                           for n in gm.graph.nodes)
 
-    def enter(self, inp: Node, how: Shard | None, original: Node | None = None) -> Node:
-        """`inp` entering a region (f, or scattered); `original` is the analysed node it replaced, if any."""
+    def enter(self, inp: Node, how: Shard | None, user: Node, original: Node | None = None) -> Node:
+        """`inp` entering a region at `user` (f, or scattered); `original` is the analysed node it replaced, if any."""
         if how is None and (original or inp) not in self.analysis.grad_nodes:
             return inp  # no gradient can flow into it: f would be a no-op
-        key = (inp, how)
+        key = (inp, how) if not self.mutates else (inp, how, user)
         if key not in self.cache:
-            with self.gm.graph.inserting_after(inp):
+            with self.gm.graph.inserting_before(user):
                 if how is None:
                     self.cache[key] = call_comm(self.gm, "f", self.comm, (inp,))
                 else:
@@ -121,7 +129,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             node.target = d.target
         for inp, how in d.enter.items():
             now = replaced.get(inp, inp)  # an input the pass already replaced (the vocab lookup, gathered logits)
-            node.replace_input_with(now, ins.enter(now, how, inp))
+            node.replace_input_with(now, ins.enter(now, how, node, inp))
         if d.role == "row":
             _reduce_then_bias(gm, node, comm)
         elif d.role == "vocab_embedding":

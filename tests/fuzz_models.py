@@ -120,7 +120,7 @@ class _Layer:
         if self.r.random() < 0.15:  # statistics of the hidden activation
             op = self.r.choice(["var(1, keepdim=True, unbiased=False)", "std(1, keepdim=True)", "mean(1, keepdim=True)",
                                 "norm(dim=1, keepdim=True)"])
-            self.emit(f"{h} = {h} / (1 + {h}.{op})")
+            self.emit(f"{h} = {h} / (1 + {h}.{op}.abs())")
         if self.c["side"] and self.side is None:
             self.side = h  # a hidden activation returned by the model: a sharded value reaching the output
         return self.dropout(self.gemm(self.dropout(h), F, H))

@@ -55,6 +55,16 @@ BUILDERS = {
     "gptj": lambda: _causal(_hf("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                 n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
     "bert": lambda: _bert(),
+    # architectures whose parts once came out silently wrong (tests/test_soundness.py)
+    "recurrent_gemma": lambda: _causal(_hf("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", num_hidden_layers=3,
+                                           hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                           num_key_value_heads=1, lru_width=32, attention_window_size=16,
+                                           conv1d_width=4, block_types=["recurrent", "recurrent", "attention"],
+                                           **HF_COMMON)),
+    "gemma4_unified_text": lambda: _causal(_hf("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
+                                               num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               max_position_embeddings=64, sliding_window=4, **HF_COMMON)),
     # deeper ones, for pipeline stages
     "gpt5": lambda: _gpt(layers=5),
     "gpt8": lambda: _gpt(layers=8),

@@ -163,6 +163,23 @@ class TinyLM(nn.Module):
         return self.lm_head(x + self.mlp(x))
 
 
+class InPlaceScan(nn.Module):
+    """A gated recurrence written the way recurrent_gemma's RG-LRU is: a zeros_like buffer filled step by step in
+    place, then multiplied into a column-parallel branch ([Note: reads after mutation] in passes/tp.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.inp, self.out = nn.Linear(H, 2 * H), nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        y = F.gelu(self.gate(x))
+        xs = torch.tanh(self.inp(x))
+        states = torch.zeros_like(xs)
+        for t in range(xs.shape[1]):
+            states[:, t] = xs[:, t] + (0.5 * states[:, t - 1] if t else 0.0)
+        return x + self.out(states * y)
+
+
 class HiddenIsVocab(nn.Module):
     """Hidden size equal to the vocabulary: fc2 has V output features, yet it is no LM head (its output feeds the
     head, it is not logits). fc1's region is refused (no rule for a statistic over the sequence), so fc2 is free."""
@@ -209,4 +226,5 @@ BUILDERS = {
     "causal_buffer": _plain(CausalBuffer),
     "tiny_lm": tiny_lm,
     "hidden_is_vocab": hidden_is_vocab,
+    "in_place_scan": _plain(InPlaceScan),
 }

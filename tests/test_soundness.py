@@ -46,10 +46,37 @@ def _tp_exact(name: str):
 
 
 @pytest.mark.parametrize("name", ["bias_regularized", "shared_bias", "weight_read_twice", "per_head_linear",
-                                  "addmm_activation", "var_statistics", "residual_scores", "hidden_is_vocab"])
+                                  "addmm_activation", "var_statistics", "residual_scores", "hidden_is_vocab",
+                                  "in_place_scan"])
 def test_hazardous_models_are_exact_at_t2(pool2, name):
     for fwd, params, _ in pool2.run(_tp_exact, name):
         assert fwd <= TOL and params <= TOL, (name, fwd, params)
+
+
+def _hf_exact(name: str):
+    import fxpar
+
+    model, args, kwargs = models.build(name)
+    reference = copy.deepcopy(model)
+    try:
+        pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    fwd, params = _errors(pm, reference, args, kwargs)
+    return fwd, params, len(pm.plan.sharded_regions)
+
+
+def test_gemma4_unified_text_is_exact(pool2):
+    for fwd, params, regions in pool2.run(_hf_exact, "gemma4_unified_text"):
+        assert fwd <= TOL and params <= TOL and regions >= 2, (fwd, params, regions)
+
+
+def test_recurrent_gemma_is_refused_for_its_custom_autograd_function(pool2):
+    """Its RG-LRU takes sqrt through SqrtBoundDerivative, whose backward a trace would drop. (With that Function
+    replaced by torch.sqrt the model is exact: its in-place scan is tests.soundness_models.InPlaceScan.)"""
+    for kind, message in pool2.run(_hf_exact, "recurrent_gemma"):
+        assert kind == "TraceError" and "custom autograd.Function SqrtBoundDerivative" in message, message
+        assert "modeling_recurrent_gemma.py:" in message and "Fix:" in message, message
 
 
 def test_the_plan_names_the_other_use(pool2):
