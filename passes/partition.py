@@ -133,6 +133,7 @@ def _chunk_of_nodes(gm: GraphModule, position: dict[Node, int], runs: list[list[
     chunk_of_layer = {layer: c for c, run in enumerate(runs) for layer in run}
     first_layer_pos = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
     out: dict[Node, int] = {}
+    sourced = []  # outside the layers, reading only graph inputs (f of a weight, a mask built from constants)
     for i, n in enumerate(gm.graph.nodes):
         if n.op in ("placeholder", "get_attr"):
             continue
@@ -140,9 +141,15 @@ def _chunk_of_nodes(gm: GraphModule, position: dict[Node, int], runs: list[list[
             out[n] = len(runs) - 1
         elif n in position:
             out[n] = chunk_of_layer[position[n]]
-        else:  # inserted nodes (f, g, bias adds) follow their inputs; the rest by position
+        else:  # inserted nodes (f, g, bias adds) follow their inputs
             ins = [out[a] for a in n.all_input_nodes if a in out]
             out[n] = max(ins) if ins else (0 if i < first_layer_pos else len(runs) - 1)
+            if not ins:
+                sourced.append(n)
+    for n in reversed(sourced):  # ... go with their first reader: a weight's f sits with the layer that reads it
+        readers = [out[u] for u in n.users if u in out]
+        if readers:
+            out[n] = min(readers)
     return out
 
 
