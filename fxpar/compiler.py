@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 
 from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
-from fxpar.passes.canonicalize import merge_aliases_pass
+from fxpar.passes.canonicalize import drop_metadata_asserts_pass, merge_aliases_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.local_shapes import local_shapes_pass
 from fxpar.passes.lower_schedule import Program, lower_program
@@ -100,9 +100,9 @@ def _trace(c: Compiled) -> Traced:
 
 def _canonicalize(c: Compiled) -> GraphModule:
     """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter)."""
+    tensor (tied weights are one parameter) and no metadata-only asserts."""
     gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
-    return merge_aliases_pass(gm, canonical_keys(c.model))
+    return drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:
@@ -189,7 +189,7 @@ def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
 STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     # name             product        what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
-    ("canonicalize", "gm", _canonicalize),  # the working copy the graph passes rewrite; tied weights merged
+    ("canonicalize", "gm", _canonicalize),  # the working copy the passes rewrite; tied weights merged, asserts dropped
     ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node

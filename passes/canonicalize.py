@@ -1,4 +1,4 @@
-"""Canonicalization of the traced program, before any analysis: one placeholder per tensor.
+"""Canonicalization of the traced program, before any analysis: one placeholder per tensor, no metadata asserts.
 
 torch.export lifts a tied parameter once per name: GPT-2's `wte.weight` and `lm_head.weight` are two placeholders
 of one tensor. Left so, the analysis would see two parameters, each with fewer uses than the tensor has, and could
@@ -8,6 +8,7 @@ tensor, which is also where the executable registers it), and the aliases are er
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import GraphModule
 
 from .meta import FXPAR_INPUT, GraphInput, input_of, placeholders
@@ -33,6 +34,24 @@ def merge_aliases_pass(gm: GraphModule, canonical: dict[str, str]) -> GraphModul
         gm.graph.erase_node(n)
         merged += 1
     if merged:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+# Nodes that only check a tensor's metadata against what was traced and compute nothing. torch.export emits one for
+# every `.to(dtype)`, `.float()` and `.type_as` (rotary tables upcast, norms computed in fp32); each has no users.
+# The traced program keeps them (verify runs it); the working copy drops them, so that a shard, whose local size
+# differs from the traced one, does not meet an assert about the global size, and no region is refused for them.
+METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def drop_metadata_asserts_pass(gm: GraphModule) -> GraphModule:
+    """Erase the metadata-only asserts (METADATA_ASSERTS) of gm; returns gm."""
+    dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in METADATA_ASSERTS and not n.users]
+    for n in dropped:
+        gm.graph.erase_node(n)
+    if dropped:
         gm.graph.lint()
         gm.recompile()
     return gm

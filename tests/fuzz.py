@@ -25,7 +25,6 @@ import copy
 import os
 import re
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -38,6 +37,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tests.fuzz_models import generate, load  # noqa: E402
+from tests.threaded import RankHang, Threaded, on_ranks  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 BAD = ("mismatch", "crash", "hang", "invalid")
@@ -206,16 +206,10 @@ def _double(tree):
 
 
 def _on_ranks(built, world: int, timeout_s: float) -> dict:
-    """check() on `world` threaded ranks, each on its own copy of built = (model, args, kwargs)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
-
+    """check() on `world` threaded ranks, each on its own copy of built = (model, args, kwargs); the worst rank's."""
     import fxpar
-
     from fxpar.trace import trace
 
-    store = dist.HashStore()
-    results: dict[int, dict] = {}
     copies = [copy.deepcopy(built) for _ in range(world)]
     try:
         traced = trace(*built)
@@ -223,50 +217,13 @@ def _on_ranks(built, world: int, timeout_s: float) -> dict:
         reason = _refusal(e)
         return {"outcome": "refused", "reason": reason} if reason else \
             {"outcome": "crash", "detail": traceback.format_exc()}
-
-    def rank(r: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=r, world_size=world, store=store)
-            torch.set_num_threads(1)
-            results[r] = check(*copies[r], fxpar.init_mesh(tp=world), traced)
-        except BaseException:
-            results[r] = {"outcome": "crash", "detail": traceback.format_exc()}
-            ProcessLocalGroup.exception_handle(None)  # wake the other ranks from any collective
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        ProcessLocalGroup.exception_handle(None)
-        return {"outcome": "hang", "detail": f"a rank did not finish within {timeout_s} s"}
-    ProcessLocalGroup.reset()
+    try:
+        results = on_ranks(lambda r: check(*copies[r], fxpar.init_mesh(tp=world), traced), world, timeout_s)
+    except RankHang as e:
+        return {"outcome": "hang", "detail": str(e)}
+    results = [r if isinstance(r, dict) else {"outcome": "crash", "detail": r[1]} for r in results.values()]
     order = ["crash", "hang", "invalid", "mismatch", "refused", "exact"]
-    return min(results.values(), key=lambda r: order.index(r["outcome"]))
-
-
-class Threaded:
-    """Installs torch's threaded process group for the duration (one process, ranks as threads)."""
-
-    def __enter__(self):
-        import torch._C._distributed_c10d as c10d
-        from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
-
-        c10d._set_thread_isolation_mode(True)
-        _install_threaded_pg()
-        return self
-
-    def __exit__(self, *exc):
-        import torch._C._distributed_c10d as c10d
-        from torch.testing._internal.distributed.multi_threaded_pg import _uninstall_threaded_pg
-
-        _uninstall_threaded_pg()
-        c10d._set_thread_isolation_mode(False)
+    return min(results, key=lambda r: order.index(r["outcome"]))
 
 
 def fuzz(seeds, out_dir: str | None = None) -> dict:

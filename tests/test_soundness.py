@@ -320,6 +320,41 @@ def test_autograd_a_trace_would_drop_is_refused(model, needle):
         build(model, TPComm(0, 2), (torch.randn(2, 16),))
 
 
+@torch.library.custom_op("fxpar_test::reversed_scale", mutates_args=())
+def reversed_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@reversed_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+reversed_scale.register_autograd(lambda ctx, grad: -grad, setup_context=lambda ctx, inputs, output: None)
+
+
+class LibraryOp(Reversed):
+    """A torch.library custom op with its own backward (-grad, not the forward's 2): one node in the trace that runs
+    its registered backward, as transformers' grouped_mm (Mixtral's experts) does."""
+
+    def forward(self, x):
+        return reversed_scale(self.fc(x))
+
+
+def test_a_library_custom_op_keeps_its_backward():
+    from fxpar.api import build
+    from fxpar.passes.ops import TPComm
+
+    model, x = LibraryOp(), torch.randn(2, 16)
+    reference = copy.deepcopy(model)
+    pm = build(model, TPComm(0, 1), (x,))
+    assert any("reversed_scale" in str(n.target) for n in pm.graph_module.graph.nodes)
+    pm(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(pm.get_parameter("fc.bias").grad, reference.fc.bias.grad)
+    assert reference.fc.bias.grad.sum() < 0  # the registered backward ran, not the forward's derivative
+
+
 class FailsInNoGrad(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,0 +1,232 @@
+"""Every causal-LM architecture of the installed transformers, built from a tiny config in code, at t=2.
+
+For each `model_type -> class` of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: build the class from its config with small
+sizes (nothing downloaded), parallelize it on 2 threaded ranks (tests/threaded.py) and compare with the unmodified
+model: the forward, and every parameter after one SGD step. A row records
+
+    status     sharded (exact, a layer sharded) | replicated (exact, no layer sharded: at most the vocabulary)
+               | refused (fxpar said why)
+               | wrong (numbers differ) | crash (an error from inside fxpar) | no tiny build (transformers itself
+               cannot build or run the tiny model: not counted)
+    fwd, bwd   all-reduces per layer in forward and backward (Megatron's layout needs 2 and 2; the vocabulary's
+               lookup and head add one each to the whole model, not counted per layer)
+    share      parameters held on one rank over the model's (1.0: fully replicated; Megatron's layout at t=2 about 0.5)
+    why        the first reason the plan gives for what stayed replicated, or the refusal / error
+
+    python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE]   (`make sweep`)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.threaded import RankHang, Threaded, on_ranks  # noqa: E402
+
+TOL = 1e-5
+VOCAB, BATCH, SEQ, LAYERS = 64, 2, 8, 2
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, ffn_hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64, n_embd=32,
+            n_layer=LAYERS, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=LAYERS, num_heads=4,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, n_routed_experts=4,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_dropout=0.0,
+            hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+
+
+def architectures() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink(config) -> None:
+    """Set every TINY field the config has (its attribute_map aliases included), in its sub-configs too."""
+    for key, value in TINY.items():
+        try:  # a read-only property, or a per-layer attribute (set through its layer list, or not at all)
+            if hasattr(config, key) or key in getattr(config, "attribute_map", {}):
+                setattr(config, key, value)
+        except Exception:
+            pass
+    from transformers import PretrainedConfig
+
+    for sub in ("text_config", "decoder", "language_config"):
+        if isinstance(getattr(config, sub, None), PretrainedConfig):
+            _shrink(getattr(config, sub))
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types[:1]) * LAYERS if config.layer_types else None
+
+
+def build(model_type: str, class_name: str):
+    """(model, args, kwargs) of a tiny `class_name`, or raise (the row is then 'no tiny build')."""
+    import transformers
+    from transformers import AutoConfig
+
+    transformers.logging.set_verbosity_error()
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).train()
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    kwargs = {"use_cache": False} if "use_cache" in _forward_params(model) else {}
+    with torch.no_grad():
+        _logits(model(ids, **kwargs))  # transformers itself must run it
+    return model, (ids,), kwargs
+
+
+def _forward_params(model) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out[0]
+
+
+def _collectives(pm) -> dict[str, int]:
+    from fxpar.passes.meta import FXPAR_COMM
+
+    counts: dict[str, int] = {}
+    for n in pm.graph_module.graph.nodes:
+        kind = n.meta.get(FXPAR_COMM)
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _check_rank(model, args, kwargs, traced):
+    """One rank: parallelize, compare forward and parameters after SGD, and read the plan."""
+    import fxpar
+    from fxpar.api import build as build_pm
+    from fxpar.executable import tp_comm
+
+    reference = copy.deepcopy(model)
+    mesh = fxpar.init_mesh(tp=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = build_pm(model, tp_comm(mesh), args, kwargs, mesh, traced=traced)
+        got, want = _logits(pm(*args, **kwargs)), _logits(reference(*args, **kwargs))
+    fwd = (got - want).abs().max().item()
+    for m, y in ((pm, got), (reference, want)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        (y.float().sin().sum() / y.numel()).backward()
+        opt.step()
+    full, ref = pm.full_state_dict(), reference.state_dict()
+    params = max(((full[k] - ref[k]).abs().max().item() for k in ref if k in full), default=0.0)
+    local = sum(p.numel() for p in pm.parameters())
+    total = sum(p.numel() for p in reference.parameters())
+    reasons = [r.reason for r in pm.plan.regions if r.reason]
+    return {"fwd_gap": fwd, "param_gap": params, "share": local / total, "comm": _collectives(pm),
+            "sharded": sum(r.kind == "tp" for r in pm.plan.sharded_regions), "why": reasons[0] if reasons else ""}
+
+
+def _per_layer(comm: dict) -> tuple[float, float]:
+    """All-reduces per layer, forward and backward, the vocabulary's lookup and head left out."""
+    fwd = comm.get("g", 0)
+    bwd = comm.get("f", 0)
+    return fwd / LAYERS, max(0, bwd - (1 if comm.get("gather") else 0)) / LAYERS
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())[:160]
+
+
+def sweep_one(model_type: str, class_name: str, timeout_s: float = 180.0) -> dict:
+    from fxpar.trace import TraceError, trace
+
+    row = {"arch": model_type, "class": class_name}
+    try:
+        model, args, kwargs = build(model_type, class_name)
+    except Exception as e:
+        return row | {"status": "no tiny build", "why": _clean(f"{type(e).__name__}: {e}")}
+    try:
+        traced = trace(model, args, kwargs)
+    except TraceError as e:
+        return row | {"status": "refused", "why": _clean(str(e))}
+    copies = [copy.deepcopy((model, args, kwargs)) for _ in range(2)]
+    try:
+        results = on_ranks(lambda r: _check_rank(*copies[r], traced), 2, timeout_s)
+    except RankHang as e:
+        return row | {"status": "crash", "why": str(e)}
+    bad = [r for r in results.values() if not isinstance(r, dict)]
+    if bad:
+        text = bad[0][1]
+        last = text.strip().splitlines()[-1]
+        clean = ("Error: fxpar" in text or "ValueError: fxpar" in text) and "PassError" not in text
+        return row | {"status": "refused" if clean else "crash", "why": _clean(last)}
+    r = results[0]
+    gap = max(max(x["fwd_gap"], x["param_gap"]) for x in results.values())
+    fwd, bwd = _per_layer(r["comm"])
+    status = "wrong" if gap > TOL else "sharded" if r["sharded"] else "replicated"
+    return row | {"status": status, "gap": gap, "fwd": fwd, "bwd": bwd, "share": r["share"], "why": _clean(r["why"])}
+
+
+def sweep(only=None) -> list[dict]:
+    rows = []
+    with Threaded():
+        for model_type, class_name in architectures().items():
+            if only and model_type not in only:
+                continue
+            start = time.perf_counter()
+            try:
+                row = sweep_one(model_type, class_name)
+            except Exception:
+                row = {"arch": model_type, "class": class_name, "status": "crash",
+                       "why": _clean(traceback.format_exc().strip().splitlines()[-1])}
+            row["seconds"] = time.perf_counter() - start
+            rows.append(row)
+            print(f"{model_type:28s} {row['status']:14s} {row.get('share', float('nan')):.2f}  {row['why'][:90]}",
+                  flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    counted = [r for r in rows if r["status"] != "no tiny build"]
+    by = {s: sum(r["status"] == s for r in counted) for s in ("sharded", "replicated", "refused", "wrong", "crash")}
+    head = (f"{len(counted)} of {len(rows)} architectures build from a tiny config; at t=2: "
+            + ", ".join(f"{n} {s}" for s, n in by.items()) + ".\n\n")
+    lines = ["| architecture | status | all-reduces / layer (fwd, bwd) | local share | why (first reason) |",
+             "|---|---|---|---|---|"]
+    for r in sorted(counted, key=lambda r: r["arch"]):
+        ar = f"{r['fwd']:.1f}, {r['bwd']:.1f}" if "fwd" in r else ""
+        share = f"{r['share']:.2f}" if "share" in r else ""
+        lines.append(f"| {r['arch']} | {r['status']} | {ar} | {share} | {r['why'].replace('|', '/')} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="fxpar over every Hugging Face causal LM at t=2 (tests/hf_sweep.py)")
+    p.add_argument("--only", nargs="*", help="model types to run (default: all)")
+    p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = sweep(set(args.only) if args.only else None)
+    table = markdown(rows)
+    print(table.splitlines()[0])
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any(r["status"] in ("wrong", "crash") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
