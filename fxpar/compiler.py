@@ -27,6 +27,7 @@ from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
 from fxpar.passes.canonicalize import drop_metadata_asserts_pass, merge_aliases_pass
 from fxpar.passes.fusion import fusion_pass
+from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.passes.local_shapes import local_shapes_pass
 from fxpar.passes.lower_schedule import Program, lower_program
 from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
@@ -100,9 +101,10 @@ def _trace(c: Compiled) -> Traced:
 
 def _canonicalize(c: Compiled) -> GraphModule:
     """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter) and no metadata-only asserts."""
+    tensor (tied weights are one parameter), no metadata-only asserts, and every weight contraction in a GEMM form
+    the analysis seeds from (passes/gemm_forms.py)."""
     gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
-    return drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))
+    return gemm_forms_pass(drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model))))
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:
@@ -189,7 +191,7 @@ def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
 STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     # name             product        what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
-    ("canonicalize", "gm", _canonicalize),  # the working copy the passes rewrite; tied weights merged, asserts dropped
+    ("canonicalize", "gm", _canonicalize),  # the working copy: tied weights merged, asserts dropped, GEMMs in one form
     ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node

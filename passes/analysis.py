@@ -200,11 +200,31 @@ def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[No
                 continue
             other = other_use(w, n)
             if other is None:
-                groups.setdefault(n.args[x_idx], []).append(n)
+                groups.setdefault(_activation_root(n.args[x_idx]), []).append(n)
             else:
                 refused.append(Region(module_path(n), [], replicated=[n.name], modules={n.name: module_path(n)},
                                       reason=f"weight {w.name} is also read by {_describe(other)}"))
     return groups, refused
+
+
+_FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.flatten.using_ints}
+
+
+def _activation_root(x: Node) -> Node:
+    """x, or the activation x folds to 2-D for an mm (`x.flatten(0, 1)`, `view(x, [-1, h])`: the leading dims merged,
+    the features kept): GEMMs of one activation are one group however each spells its input."""
+    while isinstance(x, Node) and x.op == "call_function" and x.target in _FOLDS:
+        src = x.args[0]
+        out, inp = x.meta.get("val"), getattr(src, "meta", {}).get("val")
+        if out is None or inp is None or out.dim() > inp.dim() or out.shape[-1] != inp.shape[-1]:
+            break
+        x = src
+    return x
+
+
+def _seed_input(g: Node) -> Node:
+    return g.args[GEMM_WEIGHT_ARG[g.target][1]]
 
 
 def _subsets(seeds: list[Node]):
@@ -232,8 +252,10 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 continue
             region = Region(module_path(seeds[0]), [], modules={s.name: module_path(s) for s in seeds})
             first_error = None
-            if _is_sharded(placements.get(x)):  # a seed's input must be proven Replicate
-                first_error = f"input {x.name} of {', '.join(s.name for s in seeds)} is sharded ({placements[x]})"
+            sharded = [s for s in seeds if _is_sharded(placements.get(_seed_input(s)))]
+            if sharded or _is_sharded(placements.get(x)):  # a seed's input must be proven Replicate
+                inp = _seed_input(sharded[0]) if sharded else x
+                first_error = f"input {inp.name} of {', '.join(s.name for s in seeds)} is sharded ({placements[inp]})"
                 seeds_to_try = []
             else:
                 seeds_to_try = _subsets(seeds)
