@@ -17,6 +17,7 @@ keeps its FXPAR_ORIGIN (verify compares it with the traced node); inserted views
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 
 from .meta import FXPAR_ORIGIN, param_nodes
@@ -64,23 +65,30 @@ def _call(gm: GraphModule, like: Node, target, args: tuple, val) -> Node:
     return node
 
 
-def _as_mm(gm: GraphModule, n: Node, x: Node, w: Node) -> None:
+def _fake(mode: FakeTensorMode, like, shape) -> torch.Tensor:
+    """A value record of `shape` with like's dtype and device (made in this pass's own fake mode: the traced values'
+    mode may be in use by another rank's thread; local_shapes re-propagates every value later)."""
+    with mode:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _as_mm(gm: GraphModule, n: Node, x: Node, w: Node, mode: FakeTensorMode) -> None:
     """n = x @ W with W [in, out] a parameter: mm on x folded to 2-D, then back to x's leading dims."""
     xv, wv = x.meta["val"], w.meta["val"]
     with gm.graph.inserting_before(n):
         if xv.dim() == 2:
             out = _call(gm, n, aten.mm.default, (x, w), n.meta["val"])
         else:
-            lead = list(xv.shape[:-1])
-            flat = _call(gm, n, aten.reshape.default, (x, [-1, xv.shape[-1]]), xv.reshape(-1, xv.shape[-1]))
-            mm = _call(gm, n, aten.mm.default, (flat, w), flat.meta["val"] @ wv)
+            lead, rows = list(xv.shape[:-1]), xv.numel() // xv.shape[-1]
+            flat = _call(gm, n, aten.reshape.default, (x, [-1, xv.shape[-1]]), _fake(mode, xv, (rows, xv.shape[-1])))
+            mm = _call(gm, n, aten.mm.default, (flat, w), _fake(mode, xv, (rows, wv.shape[1])))
             out = _call(gm, n, aten.view.default, (mm, lead + [wv.shape[1]]), n.meta["val"])
     out.meta[FXPAR_ORIGIN] = n.meta.get(FXPAR_ORIGIN)
     n.replace_all_uses_with(out)
     gm.graph.erase_node(n)
 
 
-def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None) -> None:
+def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None, mode=None) -> None:
     with gm.graph.inserting_before(n):
         out = _call(gm, n, aten.linear.default, (x, w) if bias is None else (x, w, bias), n.meta["val"])
     out.meta[FXPAR_ORIGIN] = n.meta.get(FXPAR_ORIGIN)
@@ -91,6 +99,7 @@ def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None) -> None:
 def gemm_forms_pass(gm: GraphModule) -> GraphModule:
     """Rewrite every weight contraction of gm into a GEMM_WEIGHT_ARG form (see the module docstring); returns gm."""
     params = param_nodes(gm)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     changed = False
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
@@ -103,7 +112,7 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
             if w is not None:
                 _as_linear(gm, n, x, w)
             elif n.target is aten.matmul.default and b in params and b.meta["val"].dim() == 2:
-                _as_mm(gm, n, x, b)
+                _as_mm(gm, n, x, b, mode)
             else:
                 continue
         elif n.target is aten.addmm.default and _transposed_weight(n.args[2], params) is not None \
@@ -113,7 +122,7 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
             x, w, out_in = form
             if x.meta["val"].dim() < 2:
                 continue
-            (_as_linear if out_in else _as_mm)(gm, n, x, w)
+            (_as_linear if out_in else _as_mm)(gm, n, x, w, mode=mode)
         else:
             continue
         changed = True
