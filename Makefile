@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast fuzz bench clean
+.PHONY: demo test test-fast fuzz sweep bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ test-fast: $(STAMP)  # one-process tests only: no gloo ranks, no torchrun, nothi
 N ?= 5000
 fuzz: $(STAMP)  # the differential fuzzer's long mode: N generated models on 2 cores; failures saved in fuzz-failures/
 	$(PY) -m tests.fuzz --count $(N) --jobs 2 --out fuzz-failures
+
+sweep: $(STAMP)  # every Hugging Face causal LM at t=2 from a tiny config: the table in sweep.md
+	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json
 
 bench: $(STAMP)
 	$(PY) benchmarks/tp_step.py

@@ -72,6 +72,20 @@ def module_path(node: Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
+_aten = torch.ops.aten
+_DTYPE_ONLY = {_aten.type_as.default: 1, _aten.to.other: 1}  # op -> the argument read for its dtype/device only
+_NO_GRADIENT = {_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default,
+                _aten.new_zeros.default, _aten.new_ones.default, _aten.new_empty.default, _aten.new_full.default}
+
+
+def _differentiable_inputs(n: Node) -> list[Node]:
+    """The inputs a gradient can flow back to (not one read for its dtype, shape or device only)."""
+    if n.target in _NO_GRADIENT:
+        return []
+    skip = n.args[_DTYPE_ONLY[n.target]] if n.target in _DTYPE_ONLY and len(n.args) > 1 else None
+    return [a for a in n.all_input_nodes if a is not skip]
+
+
 def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
     """Nodes that can carry a gradient: floating tensors downstream of parameters or float inputs."""
     out = set()
@@ -80,7 +94,7 @@ def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
         floating = isinstance(v, torch.Tensor) and v.is_floating_point()
         if n in params or (n.op == "placeholder" and floating and input_of(n).kind == USER):
             out.add(n)
-        elif n.op == "call_function" and any(a in out for a in n.all_input_nodes):
+        elif n.op == "call_function" and any(a in out for a in _differentiable_inputs(n)):
             if floating or isinstance(v, (list, tuple)):
                 out.add(n)
     return out

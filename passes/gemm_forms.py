@@ -7,7 +7,7 @@ This pass rewrites them (in place, before the analysis) as
 
     matmul / mm (x, T(W))            -> linear(x, W)                      T: t, numpy_T, transpose or permute of 2 dims
     addmm(b, x, T(W))                -> linear(x, W, b)
-    matmul(x, W), x of rank k >= 2   -> view(mm(reshape(x, [-1, in]), W), [*x.shape[:-1], out])   (mm if k = 2)
+    matmul(x, W), x of rank k >= 2   -> view(mm(reshape(x, [rows, in]), W), [*x.shape[:-1], out])   (mm if k = 2)
     einsum('...c,cf->...f', x, W)    -> as matmul(x, W);   einsum('...c,fc->...f', x, W) -> linear(x, W)
 
 Why it is exact: each form computes the same sum of products, one output element at a time; for k > 2, matmul
@@ -80,7 +80,7 @@ def _as_mm(gm: GraphModule, n: Node, x: Node, w: Node, mode: FakeTensorMode) -> 
             out = _call(gm, n, aten.mm.default, (x, w), n.meta["val"])
         else:
             lead, rows = list(xv.shape[:-1]), xv.numel() // xv.shape[-1]
-            flat = _call(gm, n, aten.reshape.default, (x, [-1, xv.shape[-1]]), _fake(mode, xv, (rows, xv.shape[-1])))
+            flat = _call(gm, n, aten.reshape.default, (x, [rows, xv.shape[-1]]), _fake(mode, xv, (rows, xv.shape[-1])))
             mm = _call(gm, n, aten.mm.default, (flat, w), _fake(mode, xv, (rows, wv.shape[1])))
             out = _call(gm, n, aten.view.default, (mm, lead + [wv.shape[1]]), n.meta["val"])
     out.meta[FXPAR_ORIGIN] = n.meta.get(FXPAR_ORIGIN)

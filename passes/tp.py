@@ -17,6 +17,8 @@ compiler's next stage (local_shapes) propagates this rank's local shapes through
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -51,30 +53,35 @@ class _Inserter:
     [Note: reads after mutation] Export keeps a forward's in-place ops (`states[:, t] = h` is copy_ into a view), so
     a node's value is what its storage holds when a reader runs, not when it was made. A collective placed right after
     the producer would read the tensor before the later writes (zeros, for a buffer filled in a loop). Placed before
-    the reader, it reads what the reader would have read; in a graph with a mutating op, every reader gets its own."""
+    the reader, it reads what the reader would have read; a later reader reuses it unless an in-place op runs in
+    between (then it gets its own)."""
 
     def __init__(self, gm: GraphModule, analysis: Analysis, comm: TPComm):
         self.gm, self.analysis, self.comm, self.cache = gm, analysis, comm, {}
-        self.mutates = any(n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
-                           for n in gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(gm.graph.nodes)}  # the analysed nodes, in order
+        self.writes = [i for n, i in self.index.items()
+                       if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
 
     def enter(self, inp: Node, how: Shard | None, user: Node, original: Node | None = None) -> Node:
         """`inp` entering a region at `user` (f, or scattered); `original` is the analysed node it replaced, if any."""
         if how is None and (original or inp) not in self.analysis.grad_nodes:
             return inp  # no gradient can flow into it: f would be a no-op
-        key = (inp, how) if not self.mutates else (inp, how, user)
-        if key not in self.cache:
+        key, at = (inp, how), self.index[user]
+        cached = self.cache.get(key)
+        if cached is None or bisect.bisect_left(self.writes, cached[1]) != bisect.bisect_left(self.writes, at):
             with self.gm.graph.inserting_before(user):
                 if how is None:
-                    self.cache[key] = call_comm(self.gm, "f", self.comm, (inp,))
+                    node = call_comm(self.gm, "f", self.comm, (inp,))
                 else:
                     kwargs = {"dim": how.dim, "parts": how.parts, "pre": how.pre, "post": how.post}
-                    self.cache[key] = call_comm(self.gm, "scatter", self.comm, (inp,), kwargs, placement=how)
-        return self.cache[key]
+                    node = call_comm(self.gm, "scatter", self.comm, (inp,), kwargs, placement=how)
+            self.cache[key] = cached = (node, at)
+        return cached[0]
 
 
-def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> None:
-    """Row-parallel GEMM: drop the bias from the GEMM, then g, then add the bias ([Note: row-parallel bias])."""
+def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> Node:
+    """Row-parallel GEMM: drop the bias from the GEMM, then g, then add the bias ([Note: row-parallel bias]);
+    returns the node that now holds the GEMM's (replicated) value."""
     graph = gm.graph
     if node.target is aten.linear.default:
         bias = node.args[2] if len(node.args) > 2 else None
@@ -94,6 +101,7 @@ def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> None:
             out.meta[FXPAR_PLACEMENT] = R
     for u in users:
         u.replace_input_with(node, out)
+    return out
 
 
 def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> Node:
@@ -128,10 +136,10 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         if d.target is not None:
             node.target = d.target
         for inp, how in d.enter.items():
-            now = replaced.get(inp, inp)  # an input the pass already replaced (the vocab lookup, gathered logits)
+            now = replaced.get(inp, inp)  # replaced already: a vocab lookup, gathered logits, a row GEMM's g (+bias)
             node.replace_input_with(now, ins.enter(now, how, node, inp))
         if d.role == "row":
-            _reduce_then_bias(gm, node, comm)
+            replaced[node] = _reduce_then_bias(gm, node, comm)
         elif d.role == "vocab_embedding":
             with gm.graph.inserting_before(node):
                 lookup = call_comm(gm, "vocab_embedding", comm, node.args, node.kwargs)

@@ -8,8 +8,9 @@ model: the forward, and every parameter after one SGD step. A row records
                | refused (fxpar said why)
                | wrong (numbers differ) | crash (an error from inside fxpar) | no tiny build (transformers itself
                cannot build or run the tiny model: not counted)
-    fwd, bwd   all-reduces per layer in forward and backward (Megatron's layout needs 2 and 2; the vocabulary's
-               lookup and head add one each to the whole model, not counted per layer)
+    fwd, bwd   activation all-reduces per layer in forward and backward (Megatron's layout needs 2 and 2; the
+               vocabulary's lookup and head add one each to the whole model, and the gradient of a replicated
+               weight read inside a sharded region, a QK-norm's, one each: not counted per layer)
     share      parameters held on one rank over the model's (1.0: fully replicated; Megatron's layout at t=2 about 0.5)
     why        the first reason the plan gives for what stayed replicated, or the refusal / error
 
@@ -99,12 +100,32 @@ def _logits(out) -> torch.Tensor:
     return logits if logits is not None else out[0]
 
 
+def _reads_activation(n) -> bool:
+    """n depends on a user input (an activation), not only on weights and buffers."""
+    from fxpar.passes.meta import USER, input_of
+
+    seen, todo = set(), [n]
+    while todo:
+        a = todo.pop()
+        if a.op == "placeholder" and input_of(a).kind == USER:
+            return True
+        for b in a.all_input_nodes:
+            if b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return False
+
+
 def _collectives(pm) -> dict[str, int]:
+    """Collectives by kind; "f" of a weight read inside a sharded region (its gradient all-reduced, as Megatron
+    all-reduces a QK-norm's) is counted apart, as "f weight"."""
     from fxpar.passes.meta import FXPAR_COMM
 
     counts: dict[str, int] = {}
     for n in pm.graph_module.graph.nodes:
         kind = n.meta.get(FXPAR_COMM)
+        if kind == "f" and not _reads_activation(n.args[0]):
+            kind = "f weight"
         if kind:
             counts[kind] = counts.get(kind, 0) + 1
     return counts
