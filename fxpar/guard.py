@@ -6,8 +6,8 @@
     watch_trace()             records, while torch.export traces the model, every custom autograd.Function and
                               every tensor.register_hook the forward calls: the traced graph keeps neither backward,
                               so the compiler refuses such a model instead of returning wrong gradients. (A
-                              torch.library custom op's autograd is not one: the op stays one node, with its
-                              registered backward.)
+                              registered custom op's autograd, `custom_op` + `register_autograd`, is not one: the op
+                              stays one node, with its registered backward.)
     backward_hooks(model)     module backward hooks, which a trace drops as well.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def watch_trace():
         apply, register_hook = function.__dict__["apply"], tensor.__dict__["register_hook"]  # the descriptors
 
         def watched_apply(cls, *args, **kwargs):
-            if threading.get_ident() == tracing and not _library_op(cls):
+            if threading.get_ident() == tracing and not _registered_op(cls):
                 seen.append((f"custom autograd.Function {cls.__qualname__}", _where()))
             return apply.__func__(cls, *args, **kwargs)
 
@@ -83,8 +83,8 @@ def watch_trace():
             function.apply, tensor.register_hook = apply, register_hook
 
 
-def _library_op(cls) -> bool:
-    """The autograd of a torch.library custom op (register_autograd): the trace keeps the op as one node, and the
+def _registered_op(cls) -> bool:
+    """The autograd of a registered custom op (`register_autograd`): the trace keeps the op as one node, and the
     op's registered backward runs when the node does, so nothing is dropped."""
     return cls.__module__ == "torch._library.autograd"
 

@@ -12,7 +12,7 @@ SUBSET = {
     "llama": 0.55,  # nn.Linear projections, GQA
     "gemma4_unified_text": 0.55,  # upcast norms and rotary tables (metadata asserts in the trace)
     "falcon": 0.7,  # FalconLinear: x @ W.T; its fused multi-query QKV stays replicated (the plan says why)
-    "mixtral": 0.95,  # experts through a torch.library grouped GEMM: attention sharded, experts replicated
+    "mixtral": 0.95,  # experts through a registered grouped-GEMM op: attention sharded, experts replicated
 }
 
 

@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.library import custom_op
 
 from tests import models
 from tests.harness import module_pool
@@ -320,7 +321,7 @@ def test_autograd_a_trace_would_drop_is_refused(model, needle):
         build(model, TPComm(0, 2), (torch.randn(2, 16),))
 
 
-@torch.library.custom_op("fxpar_test::reversed_scale", mutates_args=())
+@custom_op("fxpar_test::reversed_scale", mutates_args=())
 def reversed_scale(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
@@ -334,14 +335,14 @@ reversed_scale.register_autograd(lambda ctx, grad: -grad, setup_context=lambda c
 
 
 class LibraryOp(Reversed):
-    """A torch.library custom op with its own backward (-grad, not the forward's 2): one node in the trace that runs
+    """A registered custom op with its own backward (-grad, not the forward's 2): one node in the trace that runs
     its registered backward, as transformers' grouped_mm (Mixtral's experts) does."""
 
     def forward(self, x):
         return reversed_scale(self.fc(x))
 
 
-def test_a_library_custom_op_keeps_its_backward():
+def test_a_registered_custom_op_keeps_its_backward():
     from fxpar.api import build
     from fxpar.passes.ops import TPComm
 
