@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests.models import first_tensor  # noqa: E402
 from tests.threaded import RankHang, Threaded, on_ranks  # noqa: E402
 
 TOL = 1e-5
@@ -83,7 +84,7 @@ def build(model_type: str, class_name: str):
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     kwargs = {"use_cache": False} if "use_cache" in _forward_params(model) else {}
     with torch.no_grad():
-        _logits(model(ids, **kwargs))  # transformers itself must run it
+        first_tensor(model(ids, **kwargs))  # transformers itself must run it
     return model, (ids,), kwargs
 
 
@@ -91,13 +92,6 @@ def _forward_params(model) -> set[str]:
     import inspect
 
     return set(inspect.signature(model.forward).parameters)
-
-
-def _logits(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    return logits if logits is not None else out[0]
 
 
 def _reads_activation(n) -> bool:
@@ -142,7 +136,7 @@ def _check_rank(model, args, kwargs, traced):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = build_pm(model, tp_comm(mesh), args, kwargs, mesh, traced=traced)
-        got, want = _logits(pm(*args, **kwargs)), _logits(reference(*args, **kwargs))
+        got, want = first_tensor(pm(*args, **kwargs)), first_tensor(reference(*args, **kwargs))
     fwd = (got - want).abs().max().item()
     for m, y in ((pm, got), (reference, want)):
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
