@@ -88,7 +88,7 @@ def _as_mm(gm: GraphModule, n: Node, x: Node, w: Node, mode: FakeTensorMode) -> 
     gm.graph.erase_node(n)
 
 
-def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None, mode=None) -> None:
+def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None) -> None:
     with gm.graph.inserting_before(n):
         out = _call(gm, n, aten.linear.default, (x, w) if bias is None else (x, w, bias), n.meta["val"])
     out.meta[FXPAR_ORIGIN] = n.meta.get(FXPAR_ORIGIN)
@@ -122,7 +122,10 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
             x, w, out_in = form
             if x.meta["val"].dim() < 2:
                 continue
-            (_as_linear if out_in else _as_mm)(gm, n, x, w, mode=mode)
+            if out_in:
+                _as_linear(gm, n, x, w)
+            else:
+                _as_mm(gm, n, x, w, mode)
         else:
             continue
         changed = True
