@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 
 from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
-from fxpar.passes.canonicalize import drop_metadata_asserts_pass, merge_aliases_pass
+from fxpar.passes.canonicalize import drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.passes.local_shapes import local_shapes_pass
@@ -101,10 +101,10 @@ def _trace(c: Compiled) -> Traced:
 
 def _canonicalize(c: Compiled) -> GraphModule:
     """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter), no metadata-only asserts, and every weight contraction in a GEMM form
+    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, and every weight contraction in a GEMM form
     the analysis seeds from (passes/gemm_forms.py)."""
     gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
-    return gemm_forms_pass(drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model))))
+    return gemm_forms_pass(view_as_pass(drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))))
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:

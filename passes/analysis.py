@@ -178,7 +178,22 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
             specs.update(_row_spec(n, ctx.placements[x]))
         elif _is_sharded(d.out):
             push_users(n)
+    specs.update(_shard_scattered_params(decisions, ctx))
     return decisions, specs
+
+
+def _shard_scattered_params(decisions: dict[Node, Decision], ctx: Ctx) -> dict[Node, Shard]:
+    """A parameter that enters the region scattered at its every use, alike (an RMSNorm's weight over the sharded
+    features), is stored sharded instead: no copy of it, and no all-gather of its gradient."""
+    specs = {}
+    scattered = {i for d in decisions.values() for i, how in d.enter.items() if how is not None and i in ctx.params}
+    for p in scattered:
+        hows = {decisions[u].enter.get(p) if u in decisions else None for u in p.users}
+        if len(hows) == 1 and None not in hows:
+            specs[p] = ctx.placements[p] = hows.pop()
+            for u in p.users:
+                del decisions[u].enter[p]
+    return specs
 
 
 def _apply(rule, n: Node, ctx: Ctx) -> Decision:

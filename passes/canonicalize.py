@@ -55,3 +55,18 @@ def drop_metadata_asserts_pass(gm: GraphModule) -> GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def view_as_pass(gm: GraphModule) -> GraphModule:
+    """`x.view_as(other)` -> `x.view(other's traced shape)`: other is read for its shape only, and a view with its
+    shape spelled out is what the reshape rule localizes (passes/reshape.py). Returns gm."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.view_as.default:
+            shape = [int(d) for d in n.args[1].meta["val"].shape]
+            n.target, n.args, n.kwargs = torch.ops.aten.view.default, (n.args[0], shape), {}
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

@@ -40,6 +40,7 @@ FXPAR_ASSUMES = "fxpar_assumes"
 COMM_KINDS = {
     "f": "f: all-reduce in backward",
     "g": "g: all-reduce",
+    "stat": "all-reduce of a partial statistic (identity in backward)",
     "gather": "all-gather",
     "scatter": "scatter (all-gather in backward)",
     "vocab_embedding": "vocab lookup + all-reduce",

@@ -165,6 +165,6 @@ def _check_ids(ids: torch.Tensor, vocab: int) -> None:
 
 
 COMM_MODULES = {  # kind (passes/meta.py COMM_KINDS) -> module
-    "f": CopyToTP, "g": ReduceFromTP, "scatter": ScatterToTP, "gather": GatherFromTP,
+    "f": CopyToTP, "g": ReduceFromTP, "stat": ReduceFromTP, "scatter": ScatterToTP, "gather": GatherFromTP,
     "vocab_embedding": VocabParallelEmbedding,
 }

@@ -294,17 +294,22 @@ def softmax(node: Node, ctx: Ctx) -> Decision:
     return Decision(s)
 
 
+_PARTIAL_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
+
+
 def reduction(node: Node, ctx: Ctx) -> Decision:
+    """Over other dims the shard passes through. A sum or mean over the sharded dim is exact as this rank's partial
+    sum, all-reduced ([Note: partial statistics] in tp.py): role "reduce", the output Replicate."""
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
     dims = arg(node, "dim")
     dims = [dims] if isinstance(dims, int) else dims
-    if not dims:
-        raise NoRule(f"{node.name}: full reduction of a sharded tensor")
-    dims = {_norm(d, nd) for d in dims}
+    dims = {_norm(d, nd) for d in dims} if dims else set(range(nd))  # no dims (or []): every dim
     keep = bool(arg(node, "keepdim", False))
-    if s.dim in dims:
-        raise NoRule(f"{node.name}: reduces over the sharded dim {s.dim}")
-    return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+    if s.dim not in dims:
+        return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+    if node.target in _PARTIAL_SUMS:
+        return Decision(R, role="reduce")
+    raise NoRule(f"{node.name}: {node.target.__name__} reduces over the sharded dim {s.dim}")
 
 
 # --- layer_norm / rms_norm: normalized dims must be unsharded; the affine weights enter through f
@@ -419,9 +424,11 @@ _register(
     aten.clone, aten.alias, aten.dropout, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
     aten.logical_not, aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__,
     aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
-    aten.maximum, aten.minimum, aten.rsub, aten.addcmul,
+    aten.maximum, aten.minimum, aten.rsub, aten.addcmul, aten.expm1, aten.log1p, aten.sign, aten.floor,
+    aten.ceil, aten.round, aten.trunc, aten.hardsigmoid, aten.hardswish, aten.logical_xor, aten.fmod, aten.remainder,
 )
-_register(elementwise, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+_register(elementwise, aten.min.other, aten.max.other,  # min(a, b) / max(a, b); not min.dim (indices)
+          aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
           aten.to.dtype, aten.to.dtype_layout, aten.to.device)  # not where(cond) (indices), not to(other)
 _register(like_input, aten.type_as.default, aten.to.other)
 _register(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,

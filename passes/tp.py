@@ -14,6 +14,12 @@ compiler's next stage (local_shapes) propagates this rank's local shapes through
 [Note: row-parallel bias]
     Y = X W^T + b with X and W split along the contraction dim: each rank computes X_r W_r^T, g sums them, and b is
     added after g. Adding b on every rank before g would count it t times.
+
+[Note: partial statistics]
+    A sum or mean over the sharded dim (an RMSNorm's mean of squares over all heads, a regularizer's sum) closes the
+    region without replicating it: each rank sums its block, `stat` all-reduces the b*s partial sums (identity in
+    backward, like g), and a mean divides by the global count after. The replicated statistic re-enters the region
+    through f where the sharded tensor is scaled by it, so its gradient is summed over the ranks' blocks.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from .analysis import Analysis
 from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT
 from .ops import COMM_MODULES, TPComm
 from .placements import Partial, Replicate, Shard
+from .rules import arg
 
 R = Replicate()
 
@@ -104,6 +111,30 @@ def _reduce_then_bias(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     return out
 
 
+def _reduce_partial(gm: GraphModule, node: Node, comm: TPComm) -> Node:
+    """A sum or mean over the sharded dim: this rank's partial sum, then `stat`, then / count for a mean
+    ([Note: partial statistics]); returns the node that now holds the (replicated) statistic."""
+    count = None
+    if node.target in (aten.mean.dim, aten.mean.default):
+        shape, dims = node.args[0].meta["val"].shape, arg(node, "dim")
+        dims = range(len(shape)) if not dims else [d % len(shape) for d in dims]
+        count = 1
+        for d in dims:
+            count *= int(shape[d])
+        node.target = aten.sum.dim_IntList if node.target is aten.mean.dim else aten.sum.default
+    users = list(node.users)
+    node.meta[FXPAR_PLACEMENT] = Partial()
+    with gm.graph.inserting_after(node):
+        out = call_comm(gm, "stat", comm, (node,))
+    if count is not None:
+        with gm.graph.inserting_after(out):
+            out = gm.graph.call_function(aten.div.Tensor, (out, count))
+            out.meta[FXPAR_PLACEMENT] = R
+    for u in users:
+        u.replace_input_with(node, out)
+    return out
+
+
 def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     """Column-parallel over the vocabulary, then all-gathered; returns the gathered (replicated) logits."""
     users = list(node.users)
@@ -140,6 +171,8 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             node.replace_input_with(now, ins.enter(now, how, node, inp))
         if d.role == "row":
             replaced[node] = _reduce_then_bias(gm, node, comm)
+        elif d.role == "reduce":
+            replaced[node] = _reduce_partial(gm, node, comm)
         elif d.role == "vocab_embedding":
             with gm.graph.inserting_before(node):
                 lookup = call_comm(gm, "vocab_embedding", comm, node.args, node.kwargs)

@@ -1,6 +1,7 @@
 """Vocabulary parallelism: the token embedding and the LM head share one shard of the vocabulary.
 
-Pattern: the largest aten.embedding over a weight parameter is the token embedding, its rows the vocabulary V. Each
+Pattern: the token embedding is the largest aten.embedding over a weight parameter whose ids are an integer model
+input (through views and copies only: not positions computed from an arange or a mask); its rows are the vocabulary V. Each
 rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and all-reduces (one
 all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V and whose logits reach the
 output (or whose weight is the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
@@ -14,16 +15,31 @@ import torch
 from torch.fx import Node
 
 from .analysis import Analysis, Region, module_path
+from .meta import USER, input_of
 from .placements import Replicate, Shard, plain_shard
 from .rules import GEMM_WEIGHT_ARG, Decision, other_use
 
 aten = torch.ops.aten
 
 
+_SAME_IDS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+             aten.contiguous.default, aten.alias.default, aten._to_copy.default, aten.flatten.using_ints,
+             aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.detach.default,
+             aten.lift_fresh_copy.default}
+
+
+def _ids_are_an_input(ids) -> bool:
+    """The lookup's ids are a model input, reshaped or copied at most (token ids, not computed positions)."""
+    while isinstance(ids, Node) and ids.op == "call_function" and ids.target in _SAME_IDS:
+        ids = ids.args[0]
+    return isinstance(ids, Node) and ids.op == "placeholder" and input_of(ids).kind == USER
+
+
 def _embeddings(gm, params):
     return [
         n for n in gm.graph.nodes
         if n.op == "call_function" and n.target is aten.embedding.default and n.args[0] in params
+        and _ids_are_an_input(n.args[1])
     ]
 
 

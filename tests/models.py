@@ -113,3 +113,16 @@ def first_tensor(out) -> torch.Tensor:
         if hasattr(out, key):
             return getattr(out, key)
     return out[0]
+
+
+def sgd_gaps(pm, reference, args, kwargs=None, lr: float = 0.5) -> tuple[float, float]:
+    """Max |difference| of the forward output and of every parameter after one SGD step (loss: mean of sin)."""
+    kwargs = kwargs or {}
+    out, ref = first_tensor(pm(*args, **kwargs)), first_tensor(reference(*args, **kwargs))
+    fwd = (out - ref).abs().max().item()
+    for m, y in ((pm, out), (reference, ref)):
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        (y.float().sin().sum() / y.numel()).backward()
+        opt.step()
+    full, want = pm.full_state_dict(), reference.state_dict()
+    return fwd, max((full[k] - want[k]).abs().max().item() for k in want)

@@ -10,7 +10,8 @@ from torch.fx import GraphModule
 
 from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.trace import trace
-from tests.threaded import Threaded, on_ranks
+from tests.models import sgd_gaps
+from tests.threaded import on_tp_ranks
 
 aten = torch.ops.aten
 H, F = 8, 16
@@ -97,30 +98,17 @@ class SpelledMLP(nn.Module):
         return x + h @ self.down.T
 
 
-def _spelled_mlp_rank(model, x):
-    import fxpar
-
-    reference = copy.deepcopy(model)
-    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=(x,))
-    fwd = (pm(x) - reference(x)).abs().max().item()
-    pm(x).sin().sum().backward()
-    reference(x).sin().sum().backward()
-    grads = dict(reference.named_parameters())
-    full = {k: v for k, v in pm.full_state_dict().items()}
-    share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
-    return fwd, full.keys() == grads.keys(), share, [r.kind for r in pm.plan.sharded_regions]
-
-
 def test_a_spelled_mlp_is_sharded_at_t2():
     torch.manual_seed(0)
-    model, x = SpelledMLP(), torch.randn(2, 3, H)
-    copies = [copy.deepcopy(model) for _ in range(2)]
-    with Threaded():
-        results = on_ranks(lambda r: _spelled_mlp_rank(copies[r], x), 2, 60)
-    for r in results.values():
-        assert not (isinstance(r, tuple) and r[0] == "crash"), r
-        fwd, same_keys, share, kinds = r
-        assert fwd <= 1e-5 and same_keys and kinds == ["tp"] and share == pytest.approx(0.5), r
+    x = torch.randn(2, 3, H)
+
+    def measure(pm, reference):
+        fwd, params = sgd_gaps(pm, reference, (x,))
+        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+        return fwd, params, share, [r.kind for r in pm.plan.sharded_regions]
+
+    for fwd, params, share, kinds in on_tp_ranks(SpelledMLP(), (x,), measure):
+        assert fwd <= 1e-5 and params <= 1e-5 and kinds == ["tp"] and share == pytest.approx(0.5), (fwd, params)
 
 
 def test_a_non_contiguous_activation_folds_like_matmul_does():

@@ -52,15 +52,25 @@ def test_reduction_over_other_dims(fn, target, shard, out):
     assert rules.reduction(g.node(target), ctx({x: shard})) == Decision(out)
 
 
-@pytest.mark.parametrize("fn,target,why", [
-    (lambda x: x.sum(2), aten.sum.dim_IntList, "reduces over the sharded dim 2"),
-    (lambda x: x.mean((0, -1)), aten.mean.dim, "reduces over the sharded dim 2"),
-    (lambda x: x.sum(), aten.sum.default, "full reduction of a sharded tensor"),
-])
-def test_reduction_refuses_the_sharded_dim(fn, target, why):
+@pytest.mark.parametrize("fn,target", [
+    (lambda x: x.sum(2), aten.sum.dim_IntList), (lambda x: x.mean((0, -1)), aten.mean.dim),
+    (lambda x: x.sum(), aten.sum.default), (lambda x: x.mean(), aten.mean.default),
+    (lambda x: x.pow(2).mean(-1, keepdim=True), aten.mean.dim),
+], ids=["sum", "mean-two", "sum-all", "mean-all", "mean-of-squares"])
+def test_a_sum_or_mean_over_the_sharded_dim_is_a_partial_sum(fn, target):
+    g = export(fn, (2, 8, 32))
+    node = g.node(target)
+    assert rules.reduction(node, ctx({node.args[0]: S(2, 32)})) == Decision(R, role="reduce")
+
+
+@pytest.mark.parametrize("fn,target", [
+    (lambda x: x.amax(2), aten.amax.default), (lambda x: x.amin(-1, keepdim=True), aten.amin.default),
+    (lambda x: x.var(2), aten.var.dim),
+], ids=["amax", "amin", "var"])
+def test_other_reductions_refuse_the_sharded_dim(fn, target):
     g = export(fn, (2, 8, 32))
     (x,) = g.inputs
-    with pytest.raises(NoRule, match=why):
+    with pytest.raises(NoRule, match="reduces over the sharded dim 2"):
         rules.reduction(g.node(target), ctx({x: S(2, 32)}))
 
 

@@ -25,16 +25,7 @@ pool4 = module_pool(4)
 TOL = 1e-5
 
 
-def _errors(pm, reference, args, kwargs) -> tuple[float, float]:
-    """Max |difference| of the forward output and of every parameter after one SGD step."""
-    out, ref = models.first_tensor(pm(*args, **kwargs)), models.first_tensor(reference(*args, **kwargs))
-    fwd = (out - ref).abs().max().item()
-    for m, y in ((pm, out), (reference, ref)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        (y.sin().sum() / y.numel()).backward()
-        opt.step()
-    full, want = pm.full_state_dict(), reference.state_dict()
-    return fwd, max((full[k] - want[k]).abs().max().item() for k in want)
+_errors = models.sgd_gaps
 
 
 def _tp_exact(name: str):

@@ -8,6 +8,7 @@ thousands of small checks where starting gloo processes would cost more than the
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import traceback
@@ -72,3 +73,35 @@ def on_ranks(fn, world: int, timeout_s: float) -> dict:
         raise RankHang(f"a rank did not finish within {timeout_s} s")
     ProcessLocalGroup.reset()
     return results
+
+
+def parallelize_traced(model, traced, args: tuple, kwargs: dict | None = None, tp: int = 2):
+    """fxpar.parallelize at tp, reusing a trace made once before the rank threads start (torch.export is not
+    thread-safe: two ranks tracing at once can trip over each other's fake mode)."""
+    import fxpar
+    from fxpar.api import build
+    from fxpar.executable import tp_comm
+
+    mesh = fxpar.init_mesh(tp=tp)
+    return build(model, tp_comm(mesh), args, kwargs or {}, mesh, traced=traced)
+
+
+def on_tp_ranks(model, args: tuple, per_rank, kwargs: dict | None = None, tp: int = 2, timeout_s: float = 60.0):
+    """[per_rank(pm, reference) for every rank]: the model traced once, each rank parallelizing its own copy at tp
+    (`reference` is an unmodified copy of it), inside one threaded process group. A rank that raised fails the
+    caller with its traceback."""
+    from fxpar.trace import trace
+
+    traced = trace(model, args, kwargs or {})
+    copies = [copy.deepcopy(model) for _ in range(tp)]
+
+    def rank(r):
+        reference = copy.deepcopy(copies[r])
+        return per_rank(parallelize_traced(copies[r], traced, args, kwargs, tp), reference)
+
+    with Threaded():
+        results = on_ranks(rank, tp, timeout_s)
+    for r, got in results.items():
+        if isinstance(got, tuple) and len(got) == 2 and got[0] == "crash":
+            raise AssertionError(f"rank {r} raised:\n{got[1]}")
+    return [results[r] for r in range(tp)]
