@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from .fused import fused_parts
 from .meta import USER, input_of
 from .placements import Placement, Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
+from .rules import GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
 
 aten = torch.ops.aten
 
@@ -113,9 +113,9 @@ def _describe(n: Node) -> str:
 def _column(gemm: Node, s: Shard, params: set[Node], x: Node) -> tuple[Decision, dict[Node, Shard]]:
     """A seed's decision and specs: its weight's output-feature dim takes the layout; so does its bias when the bias
     is a parameter used only here, else the bias stays as it is and enters the region scattered."""
-    w_idx, _, w_in_dim = GEMM_WEIGHT_ARG[gemm.target]
+    w_idx = GEMM_WEIGHT_ARG[gemm.target][0]
     layout = (s.parts, s.pre, s.post)
-    specs = {gemm.args[w_idx]: Shard(1 - w_in_dim, *layout)}
+    specs = {gemm.args[w_idx]: Shard(GEMM_WEIGHT_OUT[gemm.target], *layout)}
     enter: dict[Node, Shard | None] = {x: None}
     bias = gemm.args[2] if gemm.target is aten.linear.default and len(gemm.args) > 2 else None
     bias = gemm.args[0] if gemm.target is aten.addmm.default else bias

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from .grouped_gemm import GROUPED_LINEAR
 from .placements import Placement, Replicate, Shard, plain_shard
 from .reshape import ReshapeError, reshape_shard
 
@@ -375,8 +376,11 @@ def batched_matmul(node: Node, ctx: Ctx) -> Decision:
 
 
 # --- GEMMs with a weight parameter: row-parallel when the contraction dim is sharded
-GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0), aten.mm.default: (1, 0, 0)}
+GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0), aten.mm.default: (1, 0, 0),
+                   GROUPED_LINEAR: (1, 0, 2)}
 # op -> (weight arg index, input arg index, weight dim contracted with the input's last dim)
+GEMM_WEIGHT_OUT = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 1, GROUPED_LINEAR: 1}
+# op -> the weight dim of the output features (a grouped GEMM's weight is [groups, out, in])
 
 
 def other_use(param: Node, gemm: Node) -> Node | None:
@@ -397,6 +401,8 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
     if w in ctx.params and other_use(w, node) is None and s.dim == nx - 1:
         _need_divisible(s, ctx.t, node)
         return Decision(R, role="row")  # g follows; the caller shards the weight on w_in_dim with s's layout
+    if node.target is GROUPED_LINEAR and s.dim != nx - 1:
+        raise NoRule(f"{node.name}: a grouped GEMM's rows belong to groups by its offsets; rows sharded as {s}")
     if s.dim == nx - 1:
         why = "is not a parameter" if w not in ctx.params else f"is also read by {other_use(w, node).name}"
         raise NoRule(f"{node.name}: contraction over a sharded dim with weight {getattr(w, 'name', w)}, which {why}")

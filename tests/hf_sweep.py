@@ -41,7 +41,7 @@ TOL = 1e-5
 VOCAB, BATCH, SEQ, LAYERS = 64, 2, 8, 2
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, ffn_hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64, n_embd=32,
-            n_layer=LAYERS, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=LAYERS, num_heads=4,
+            n_layer=LAYERS, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=LAYERS, decoder_layers=LAYERS, encoder_layers=LAYERS, num_heads=4,
             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, n_routed_experts=4,
             num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_dropout=0.0,
             hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
@@ -153,15 +153,19 @@ def _check_rank(model, args, kwargs, traced):
     local = sum(p.numel() for p in pm.parameters())
     total = sum(p.numel() for p in reference.parameters())
     reasons = [r.reason for r in pm.plan.regions if r.reason]
-    return {"fwd_gap": fwd, "param_gap": params, "share": local / total, "comm": _collectives(pm),
+    from fxpar.passes.layers import find_layers
+
+    layers = len(set(find_layers(pm.compiled.traced.gm).entry_of.values())) or 1
+    return {"layers": layers, "fwd_gap": fwd, "param_gap": params, "share": local / total, "comm": _collectives(pm),
             "sharded": sum(r.kind == "tp" for r in pm.plan.sharded_regions), "why": reasons[0] if reasons else ""}
 
 
-def _per_layer(comm: dict) -> tuple[float, float]:
-    """All-reduces per layer, forward and backward, the vocabulary's lookup and head left out."""
+def _per_layer(comm: dict, layers: int) -> tuple[float, float]:
+    """All-reduces per layer (the repeated blocks fxpar found, every stack's), forward and backward, the
+    vocabulary's lookup and head left out."""
     fwd = comm.get("g", 0)
     bwd = comm.get("f", 0)
-    return fwd / LAYERS, max(0, bwd - (1 if comm.get("gather") else 0)) / LAYERS
+    return fwd / layers, max(0, bwd - (1 if comm.get("gather") else 0)) / layers
 
 
 def _clean(text: str) -> str:
@@ -193,7 +197,7 @@ def sweep_one(model_type: str, class_name: str, timeout_s: float = 180.0) -> dic
         return row | {"status": "refused" if clean else "crash", "why": _clean(last)}
     r = results[0]
     gap = max(max(x["fwd_gap"], x["param_gap"]) for x in results.values())
-    fwd, bwd = _per_layer(r["comm"])
+    fwd, bwd = _per_layer(r["comm"], r["layers"])
     status = "wrong" if gap > TOL else "sharded" if r["sharded"] else "replicated"
     return row | {"status": status, "gap": gap, "fwd": fwd, "bwd": bwd, "share": r["share"], "why": _clean(r["why"])}
 

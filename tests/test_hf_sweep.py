@@ -12,7 +12,8 @@ SUBSET = {
     "llama": 0.55,  # nn.Linear projections, GQA
     "gemma4_unified_text": 0.55,  # upcast norms and rotary tables (metadata asserts in the trace)
     "falcon": 0.7,  # FalconLinear: x @ W.T; its fused multi-query QKV stays replicated (the plan says why)
-    "mixtral": 0.95,  # experts through a registered grouped-GEMM op: attention sharded, experts replicated
+    "bitnet": 0.52,  # RMSNorms over the sharded intermediate and attention output: partial statistics
+    "bart": 0.52,  # encoder-decoder; positional tables larger than the vocabulary
 }
 
 
