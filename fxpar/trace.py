@@ -76,6 +76,23 @@ class Traced:
         return dict(zip(kept, resolve_inputs(kept, state, self.constants)))
 
 
+def _refuse_data_dependent(name: str, gm: torch.fx.GraphModule) -> None:
+    """Raise TraceError at the first node whose size or value depends on tensor data (`.item()`, `nonzero`): the
+    compiler's stages work on static shapes, one program per traced example."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in gm.graph.nodes:
+        symbols = free_unbacked_symbols(n.meta.get("val"))
+        if symbols:
+            stack = n.meta.get("nn_module_stack") or {}
+            where = list(stack.values())[-1][0] if stack else "<root>"
+            raise TraceError(
+                f"{name}: node {n.name} ({n.target}, module {where}) has a size or value that depends on tensor data "
+                f"({', '.join(map(str, sorted(symbols, key=str)))}); fxpar compiles programs of static shapes. Fix: "
+                "compute it without .item() / nonzero / boolean indexing (a fixed capacity, masks instead of gathers)."
+            )
+
+
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
     """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced."""
     kwargs = kwargs or {}
@@ -102,6 +119,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
             f"silently differ from the model's ({len(calls)} such call site(s)). Fix: write the operation with "
             "differentiable torch ops, or apply it outside the parallelized model."
         )
+    _refuse_data_dependent(name, ep.graph_module)
     sig = ep.graph_signature
     for out in sig.output_specs:
         if out.kind != OutputKind.USER_OUTPUT:

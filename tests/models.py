@@ -116,13 +116,15 @@ def first_tensor(out) -> torch.Tensor:
 
 
 def sgd_gaps(pm, reference, args, kwargs=None, lr: float = 0.5) -> tuple[float, float]:
-    """Max |difference| of the forward output and of every parameter after one SGD step (loss: mean of sin)."""
+    """Max |difference| of the forward output and of every parameter after one SGD step (loss: mean of sin).
+    pm is a ParallelModule (compared through its full_state_dict) or a plain module (another precision of the
+    reference, to measure a model's own rounding)."""
     kwargs = kwargs or {}
     out, ref = first_tensor(pm(*args, **kwargs)), first_tensor(reference(*args, **kwargs))
-    fwd = (out - ref).abs().max().item()
+    fwd = (out.double() - ref.double()).abs().max().item()
     for m, y in ((pm, out), (reference, ref)):
         opt = torch.optim.SGD(m.parameters(), lr=lr)
-        (y.float().sin().sum() / y.numel()).backward()
+        (y.to(torch.promote_types(y.dtype, torch.float32)).sin().sum() / y.numel()).backward()
         opt.step()
-    full, want = pm.full_state_dict(), reference.state_dict()
-    return fwd, max((full[k] - want[k]).abs().max().item() for k in want)
+    full, want = getattr(pm, "full_state_dict", pm.state_dict)(), reference.state_dict()
+    return fwd, max((full[k].double() - want[k].double()).abs().max().item() for k in want)

@@ -34,6 +34,25 @@ def test_untraceable_model_shows_export_reason():
     assert "export said" in str(e.value) and "data-dependent" in str(e.value).lower()
 
 
+class DataDependentSize(nn.Module):
+    """Traceable (export gives the size an unbacked symbol), but not a program of static shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        keep = (x[0, :, 0] > 0).nonzero().squeeze(-1)  # how many positions: known only from the data
+        return self.proj(x.index_select(1, keep)).sum(1)
+
+
+def test_a_data_dependent_size_is_refused_naming_the_node():
+    with pytest.raises(TraceError) as e:
+        build(DataDependentSize(), TPComm(0, 2), (torch.randn(2, 5, 8),))
+    msg = str(e.value)
+    assert "node nonzero" in msg and "depends on tensor data" in msg and "Fix:" in msg, msg
+
+
 class Norms(nn.Module):
     def __init__(self):
         super().__init__()
