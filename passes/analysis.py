@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from .fused import fused_parts
 from .meta import USER, input_of
 from .placements import Placement, Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
+from .rules import DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
 
 aten = torch.ops.aten
 
@@ -73,7 +73,6 @@ def module_path(node: Node) -> str:
 
 
 _aten = torch.ops.aten
-_DTYPE_ONLY = {_aten.type_as.default: 1, _aten.to.other: 1}  # op -> the argument read for its dtype/device only
 _NO_GRADIENT = {_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default,
                 _aten.new_zeros.default, _aten.new_ones.default, _aten.new_empty.default, _aten.new_full.default}
 
@@ -82,7 +81,7 @@ def _differentiable_inputs(n: Node) -> list[Node]:
     """The inputs a gradient can flow back to (not one read for its dtype, shape or device only)."""
     if n.target in _NO_GRADIENT:
         return []
-    skip = n.args[_DTYPE_ONLY[n.target]] if n.target in _DTYPE_ONLY and len(n.args) > 1 else None
+    skip = n.args[DTYPE_ONLY[n.target]] if n.target in DTYPE_ONLY and len(n.args) > 1 else None
     return [a for a in n.all_input_nodes if a is not skip]
 
 

@@ -383,9 +383,19 @@ GEMM_WEIGHT_OUT = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.defaul
 # op -> the weight dim of the output features (a grouped GEMM's weight is [groups, out, in])
 
 
+DTYPE_ONLY = {aten.type_as.default: 1, aten.to.other: 1}  # op -> the argument read for its dtype and device only
+
+
+def _dtype_only(user: Node, param: Node) -> bool:
+    """`x.type_as(param)`: param gives a dtype, which its shard has too; no data of it is read."""
+    i = DTYPE_ONLY.get(user.target)
+    return i is not None and len(user.args) > i and user.args[i] is param and param not in user.args[:i]
+
+
 def other_use(param: Node, gemm: Node) -> Node | None:
-    """A user of `param` other than `gemm` ([Note: every use is proven] in analysis.py), or None."""
-    return next((u for u in param.users if u is not gemm), None)
+    """A user of `param` other than `gemm` ([Note: every use is proven] in analysis.py), or None. A use for its dtype
+    alone does not count."""
+    return next((u for u in param.users if u is not gemm and not _dtype_only(u, param)), None)
 
 
 def gemm(node: Node, ctx: Ctx) -> Decision:
