@@ -20,6 +20,13 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     replicated and the plan says which node conflicted), never allowed to overwrite. A seed's input must itself be
     replicated, and a rule may not read a sharded value as replicated.
 
+[Note: regions close at row GEMMs]
+    A region's sharded values leave it only through row-parallel GEMMs (then g) or a statistic's all-reduce. A
+    replicated activation scattered into an elementwise op would let the sharding run on through the residual
+    stream (an output projection's sharded features added to the residual, normalized by partial statistics, fed
+    to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is refused; the GEMM stays
+    replicated or closes the region Megatron's way. Parameters and buffers may be scattered (a norm's weight).
+
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
     the GEMM replicated (the plan names the other use); a bias read elsewhere stays whole and is scattered into the
@@ -37,7 +44,8 @@ from torch.fx import GraphModule, Node
 from .fused import fused_parts
 from .meta import USER, input_of
 from .placements import Placement, Replicate, Shard, plain_shard
-from .rules import DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, other_use, rule_for
+from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, elementwise,
+                    other_use, rule_for)
 
 aten = torch.ops.aten
 
@@ -99,6 +107,15 @@ def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
     return out
 
 
+def _activations(gm: GraphModule) -> set[Node]:
+    """Nodes whose value depends on a model input (not only on parameters, buffers and constants)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and input_of(n).kind == USER) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def _seed_spec(gemm: Node, t: int) -> Shard:
     out_features = gemm.meta["val"].shape[-1]
     parts = fused_parts(gemm) or (out_features,)
@@ -136,11 +153,14 @@ def _is_sharded(p) -> bool:
     return isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(o, Shard) for o in p))
 
 
-def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node, str]) -> tuple[dict, dict]:
+def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node, str],
+          activations: set[Node]) -> tuple[dict, dict]:
     """Propagate the seeds' column sharding; returns (decisions, param specs) or raises NoRule.
 
     frozen: nodes that earlier regions decided, or read as replicated, -> which region. Deciding one of them again
-    is a conflict ([Note: one decision per node]): the region is refused, never overwritten."""
+    is a conflict ([Note: one decision per node]): the region is refused, never overwritten. activations: the
+    nodes computed from a model input; one of them scattered into an elementwise op would be the residual stream
+    joining the region ([Note: regions close at row GEMMs])."""
     decisions, specs, heap = {}, {}, []
 
     def push_users(n):
@@ -168,9 +188,12 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
         if rule is None:
             raise NoRule(f"{n.name}: no sharding rule for {n.target}")
         d = _apply(rule, n, ctx)
-        for inp in d.enter:
+        for inp, how in d.enter.items():
             if _is_sharded(ctx.placements.get(inp)):
                 raise NoRule(f"{n.name}: would read the sharded {inp.name} as replicated")
+            if how is not None and rule is elementwise and inp in activations:
+                raise NoRule(f"{n.name}: would shard the replicated activation {inp.name} by scattering it (a "
+                             "residual stream); the region closes at its row-parallel GEMMs instead")
         decisions[n], ctx.placements[n] = d, d.out
         if d.role == "row":
             x = n.args[GEMM_WEIGHT_ARG[n.target][1]]
@@ -265,6 +288,19 @@ def _subsets(seeds: list[Node]):
         yield from ((s,) for s in seeds)
 
 
+def _blocked_by(e: NoRule, seeds, placements, params, order, frozen, activations) -> NoRule:
+    """e, or, when e is a size t does not divide, the refusal the same region meets with every size divisible (the
+    seeds grown at t=1): a router over 5 experts is refused for its top-k, not for the 5, and check_divisible then
+    leaves the model alone instead of asking for another t."""
+    if not isinstance(e, Indivisible):
+        return e
+    try:
+        _grow(list(seeds), Ctx(dict(placements), 1, params), order, frozen, activations)
+    except NoRule as other:
+        return other
+    return e
+
+
 def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     """Decide the placement of every node of `gm` for tensor parallelism of degree t."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -272,6 +308,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     decisions: dict[Node, Decision] = {}
     param_specs: dict[Node, Shard] = {}
     regions, frozen = [], {}
+    activations = _activations(gm)
     if t > 1:
         groups, regions = _seed_groups(gm, params)
         for x, seeds in groups.items():
@@ -290,9 +327,10 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             for subset in seeds_to_try:
                 ctx = Ctx(dict(placements), t, params)
                 try:
-                    got, specs = _grow(list(subset), ctx, order, frozen)
+                    got, specs = _grow(list(subset), ctx, order, frozen, activations)
                 except NoRule as e:
                     if first_error is None:
+                        e = _blocked_by(e, subset, placements, params, order, frozen, activations)
                         first_error = f"{e} (module {module_path(seeds[0]) or '<root>'})"
                         region.indivisible = isinstance(e, Indivisible)
                     continue

@@ -63,7 +63,7 @@ def test_refuses_norm_over_the_sharded_dim():
     fc1, fc2 = pm.plan.regions
     assert fc1.columns == [] and fc1.replicated == ["linear"]
     assert "normalizes over the sharded dim" in fc1.reason
-    assert fc2.replicated == ["linear_1"] and "reaches the model output" in fc2.reason
+    assert fc2.replicated == ["linear_1"] and "residual stream" in fc2.reason  # x + fc2(...): x would be scattered
     assert "tp_" not in pm.graph_module.code  # replicated: no collective at all
 
 
@@ -94,3 +94,45 @@ def test_t1_pass_returns_same_graph():
     code = compiled.gm.code
     assert tensor_parallel_pass(compiled.gm, compiled.analysis, TPComm(0, 1)) is compiled.gm
     assert compiled.gm.code == code
+
+
+class ResidualThenNorm(nn.Module):
+    """An output projection of a replicated value, added to the residual, then a norm and an MLP (DiffLlama after
+    its attention stayed replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.o, self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = x + self.o(torch.tanh(x))
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h + self.down(torch.relu(self.up(n)))
+
+
+def test_the_residual_stream_does_not_join_a_region():
+    pm = build(ResidualThenNorm(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),))
+    o, mlp = pm.plan.regions
+    assert o.columns == [] and "residual stream" in o.reason, o  # else: h sharded, an all-reduce per GEMM
+    assert mlp.columns == ["linear_1"] and mlp.rows == ["linear_2"], mlp
+    assert pm.graph_module.code.count("self.tp_g_") == 1
+
+
+class Routed(nn.Module):
+    """A router over 5 experts (t=2 does not divide 5) chosen by top-k, and an MLP t=2 does divide."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.up, self.down = nn.Linear(8, 5), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        weight = self.router(torch.tanh(x)).softmax(-1).topk(2).values.sum(-1, keepdim=True)  # a group of its own
+        return x + weight * self.down(torch.relu(self.up(x)))
+
+
+def test_a_size_t_does_not_divide_refuses_the_model_only_if_it_is_the_only_obstacle():
+    pm = build(Routed(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),))  # not "cannot split ... over t=2"
+    router, mlp = sorted(pm.plan.regions, key=lambda r: r.columns)
+    assert router.replicated == ["linear"] and not router.indivisible, router
+    assert "softmax over the sharded dim" in router.reason, router  # what blocks it at any t
+    assert mlp.columns == ["linear_1"] and mlp.rows == ["linear_2"], mlp
