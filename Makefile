@@ -23,8 +23,8 @@ N ?= 5000
 fuzz: $(STAMP)  # the differential fuzzer's long mode: N generated models on 2 cores; failures saved in fuzz-failures/
 	$(PY) -m tests.fuzz --count $(N) --jobs 2 --out fuzz-failures
 
-sweep: $(STAMP)  # every Hugging Face causal LM at t=2 from a tiny config: the table in sweep.md
-	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json
+sweep: $(STAMP)  # every Hugging Face causal LM at t=2 from a tiny config: the table in README.md and sweep.md
+	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json --readme README.md
 
 bench: $(STAMP)
 	$(PY) benchmarks/tp_step.py

@@ -15,7 +15,8 @@ model: the forward, and every parameter after one SGD step. A row records
     share      parameters held on one rank over the model's (1.0: fully replicated; Megatron's layout at t=2 about 0.5)
     why        the first reason the plan gives for what stayed replicated, or the refusal / error
 
-    python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE]   (`make sweep`)
+    python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE] [--readme README.md]
+    (`make sweep` writes all three)
 """
 from __future__ import annotations
 
@@ -268,11 +269,31 @@ def markdown(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- hf-sweep:begin (make sweep writes this) -->", "<!-- hf-sweep:end -->"
+
+
+def into_readme(path: str, table: str) -> None:
+    """Replace the text between BEGIN and END in `path` with the table (its summary line, then the rows folded)."""
+    import transformers
+
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to fill")
+    head, rows = table.split("\n\n", 1)
+    body = (f"{BEGIN}\n{head} (transformers {transformers.__version__}, torch {torch.__version__.split('+')[0]}; "
+            f"`make sweep`)\n\n<details><summary>Every architecture</summary>\n\n{rows}\n</details>\n{END}")
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    with open(path, "w") as f:
+        f.write(text[:start] + body + text[end:])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="fxpar over every Hugging Face causal LM at t=2 (tests/hf_sweep.py)")
     p.add_argument("--only", nargs="*", help="model types to run (default: all)")
     p.add_argument("--markdown", help="write the table here")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--readme", help="fill this README's supported-models section with the table")
     p.add_argument("--memory-gb", type=float, default=12.0,
                    help="address-space limit: a tiny config that still allocates gigabytes fails as 'no tiny build'")
     args = p.parse_args(argv)
@@ -286,6 +307,8 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
+    if args.readme:
+        into_readme(args.readme, table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -26,3 +26,26 @@ def test_a_hugging_face_architecture_is_exact_and_sharded(arch):
     assert row["gap"] <= 1e-5 and row["share"] <= SUBSET[arch], row
     assert row["fwd"] <= 2 and row["bwd"] <= 2, row  # Megatron's bound per layer
     assert f"| {arch} | sharded |" in markdown([row])
+
+
+def test_the_table_fills_the_readme_section_and_nothing_else(tmp_path):
+    from tests.hf_sweep import BEGIN, END, into_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    rows = [{"arch": "llama", "class": "LlamaForCausalLM", "status": "sharded", "gap": 0.0, "fwd": 2.0, "bwd": 2.0,
+             "share": 0.5, "why": ""}]
+    into_readme(str(readme), markdown(rows))
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
+    assert "1 of 1 architectures" in text and "| llama | sharded | 2.0, 2.0 | 0.50 |" in text
+
+
+def test_the_readme_has_the_section_make_sweep_fills():
+    import os
+
+    from tests.hf_sweep import BEGIN, END, ROOT
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert text.index(BEGIN) < text.index(END)
