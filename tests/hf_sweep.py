@@ -266,6 +266,11 @@ def markdown(rows: list[dict]) -> str:
         ar = f"{r['fwd']:.1f}, {r['bwd']:.1f}" if "fwd" in r else ""
         share = f"{r['share']:.2f}" if "share" in r else ""
         lines.append(f"| {r['arch']} | {r['status']} | {ar} | {share} | {r['why'].replace('|', '/')} |")
+    unbuilt = [r for r in rows if r["status"] == "no tiny build"]
+    if unbuilt:
+        lines += ["", f"Not counted, {len(unbuilt)} whose tiny config transformers cannot build or run, or that stay above 20M parameters: "
+                  + "; ".join(f"{r['arch']} ({r['why'][:60].replace('|', '/')})" for r in sorted(unbuilt, key=lambda r: r['arch']))
+                  + "."]
     return head + "\n".join(lines) + "\n"
 
 
