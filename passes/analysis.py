@@ -22,9 +22,9 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
 
 [Note: regions close at row GEMMs]
     A region's sharded values leave it only through row-parallel GEMMs (then g) or a statistic's all-reduce. A
-    replicated activation scattered into an elementwise op would let the sharding run on through the residual
-    stream (an output projection's sharded features added to the residual, normalized by partial statistics, fed
-    to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is refused; the GEMM stays
+    replicated activation scattered on its features (last dim) into an elementwise op would let the sharding run
+    on through the residual stream (an output projection's sharded features added to the residual, normalized by
+    partial statistics, fed to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is refused; the GEMM stays
     replicated or closes the region Megatron's way. Parameters and buffers may be scattered (a norm's weight).
 
 [Note: every use is proven]
@@ -159,8 +159,8 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
 
     frozen: nodes that earlier regions decided, or read as replicated, -> which region. Deciding one of them again
     is a conflict ([Note: one decision per node]): the region is refused, never overwritten. activations: the
-    nodes computed from a model input; one of them scattered into an elementwise op would be the residual stream
-    joining the region ([Note: regions close at row GEMMs])."""
+    nodes computed from a model input; one scattered on its features into an elementwise op would be the residual
+    stream joining the region ([Note: regions close at row GEMMs])."""
     decisions, specs, heap = {}, {}, []
 
     def push_users(n):
@@ -191,7 +191,8 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
         for inp, how in d.enter.items():
             if _is_sharded(ctx.placements.get(inp)):
                 raise NoRule(f"{n.name}: would read the sharded {inp.name} as replicated")
-            if how is not None and rule is elementwise and inp in activations:
+            if how is not None and rule is elementwise and inp in activations and \
+                    how.dim == len(ctx.shape(inp)) - 1:
                 raise NoRule(f"{n.name}: would shard the replicated activation {inp.name} by scattering it (a "
                              "residual stream); the region closes at its row-parallel GEMMs instead")
         decisions[n], ctx.placements[n] = d, d.out
