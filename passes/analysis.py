@@ -24,8 +24,8 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     A region's sharded values leave it only through row-parallel GEMMs (then g) or a statistic's all-reduce. A
     replicated activation scattered on its features (last dim) into an elementwise op would let the sharding run
     on through the residual stream (an output projection's sharded features added to the residual, normalized by
-    partial statistics, fed to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is refused; the GEMM stays
-    replicated or closes the region Megatron's way. Parameters and buffers may be scattered (a norm's weight).
+    partial statistics, fed to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is
+    refused; the GEMM stays replicated or closes the region Megatron's way. Parameters and buffers may be scattered (a norm's weight).
 
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
