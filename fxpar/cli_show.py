@@ -22,7 +22,7 @@ from fxpar.api import build
 from fxpar.config import Config
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.pipeline import default_schedule
-from fxpar.passes.analysis import module_path
+from fxpar.passes.meta import module_path
 from fxpar.passes.ops import TPComm
 from fxpar.passes.meta import COMM_KINDS, FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind
 from fxpar.passes.placements import Partial, Shard

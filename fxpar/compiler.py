@@ -101,8 +101,8 @@ def _trace(c: Compiled) -> Traced:
 
 def _canonicalize(c: Compiled) -> GraphModule:
     """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, and every weight contraction in a GEMM form
-    the analysis seeds from (passes/gemm_forms.py)."""
+    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, and every weight
+    contraction in a GEMM form the analysis seeds from (passes/gemm_forms.py)."""
     gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
     return gemm_forms_pass(view_as_pass(drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))))
 

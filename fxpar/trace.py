@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from fxpar.guard import backward_hooks, preserve_global_state, watch_trace
 from fxpar.passes.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput,
-                               resolve_inputs)
+                               module_path, resolve_inputs)
 
 
 class TraceError(RuntimeError):
@@ -84,11 +84,9 @@ def _refuse_data_dependent(name: str, gm: torch.fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         symbols = free_unbacked_symbols(n.meta.get("val"))
         if symbols:
-            stack = n.meta.get("nn_module_stack") or {}
-            where = list(stack.values())[-1][0] if stack else "<root>"
             raise TraceError(
-                f"{name}: node {n.name} ({n.target}, module {where}) has a size or value that depends on tensor data "
-                f"({', '.join(map(str, sorted(symbols, key=str)))}); fxpar compiles programs of static shapes. Fix: "
+                f"{name}: node {n.name} ({n.target}, module {module_path(n) or '<root>'}) has a size or value that "
+                f"depends on tensor data ({', '.join(map(str, sorted(symbols, key=str)))}); fxpar compiles programs of static shapes. Fix: "
                 "compute it without .item() / nonzero / boolean indexing (a fixed capacity, masks instead of gathers)."
             )
 

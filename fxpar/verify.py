@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxpar.passes.analysis import module_path
+from fxpar.passes.meta import module_path
 from fxpar.passes.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
 from fxpar.passes.placements import Partial, Shard, local_shard
 

@@ -25,7 +25,8 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     replicated activation scattered on its features (last dim) into an elementwise op would let the sharding run
     on through the residual stream (an output projection's sharded features added to the residual, normalized by
     partial statistics, fed to the next layer as a row-parallel input): exact, but an all-reduce per GEMM. That is
-    refused; the GEMM stays replicated or closes the region Megatron's way. Parameters and buffers may be scattered (a norm's weight).
+    refused; the GEMM stays replicated or closes the region Megatron's way. Parameters and buffers may be
+    scattered (a norm's weight).
 
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
@@ -42,7 +43,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .fused import fused_parts
-from .meta import USER, input_of
+from .meta import USER, input_of, module_path
 from .placements import Placement, Replicate, Shard, plain_shard
 from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, elementwise,
                     other_use, rule_for)
@@ -73,11 +74,6 @@ class Analysis:
     param_specs: dict[Node, Shard]  # weight/bias placeholder -> how it is sharded
     regions: list[Region]
     grad_nodes: set[Node]
-
-
-def module_path(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
 
 
 _aten = torch.ops.aten
@@ -371,5 +367,4 @@ def check_divisible(analysis: Analysis) -> None:
         )
 
 
-__all__ = ["Analysis", "Region", "analyze", "check_divisible", "module_path", "weight_specs", "plain_shard",
-           "Replicate"]
+__all__ = ["Analysis", "Region", "analyze", "check_divisible", "weight_specs", "plain_shard", "Replicate"]

@@ -122,6 +122,12 @@ def resolve_inputs(inputs: Sequence[GraphInput], state: Mapping[str, object], co
     return out
 
 
+def module_path(node: Node) -> str:
+    """The path of the innermost module whose forward made the node (`model.layers.0.mlp`), or ""."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
 def comm_kind(node: Node) -> str | None:
     """The collective a node calls (a COMM_KINDS key), or None."""
     return node.meta.get(FXPAR_COMM)

@@ -24,6 +24,7 @@ compiler's next stage (local_shapes) propagates this rank's local shapes through
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 from torch.fx import GraphModule, Node
@@ -118,9 +119,7 @@ def _reduce_partial(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     if node.target in (aten.mean.dim, aten.mean.default):
         shape, dims = node.args[0].meta["val"].shape, arg(node, "dim")
         dims = range(len(shape)) if not dims else [d % len(shape) for d in dims]
-        count = 1
-        for d in dims:
-            count *= int(shape[d])
+        count = math.prod(int(shape[d]) for d in dims)
         node.target = aten.sum.dim_IntList if node.target is aten.mean.dim else aten.sum.default
     users = list(node.users)
     node.meta[FXPAR_PLACEMENT] = Partial()

@@ -1,9 +1,9 @@
 """Vocabulary parallelism: the token embedding and the LM head share one shard of the vocabulary.
 
 Pattern: the token embedding is the largest aten.embedding over a weight parameter whose ids are an integer model
-input (through views and copies only: not positions computed from an arange or a mask); its rows are the vocabulary V. Each
-rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and all-reduces (one
-all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V and whose logits reach the
+input (through views and copies only: not positions computed from an arange or a mask); its rows are the
+vocabulary V. Each rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and
+all-reduces (one all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V and whose logits reach the
 output (or whose weight is the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
 through f, and its logits all-gathered so the caller sees the full logits. Tied weights share the one shard, so their
 gradients meet in the same local tensor. Why it is safe: both are exact reformulations with the sums and
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .analysis import Analysis, Region, module_path
-from .meta import USER, input_of
+from .analysis import Analysis, Region
+from .meta import USER, input_of, module_path
 from .placements import Replicate, Shard, plain_shard
 from .rules import GEMM_WEIGHT_ARG, Decision, other_use
 

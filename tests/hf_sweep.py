@@ -4,8 +4,8 @@ For each `model_type -> class` of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: build the c
 sizes (nothing downloaded), parallelize it on 2 threaded ranks (tests/threaded.py) and compare with the unmodified
 model: the forward, and every parameter after one SGD step. A row records
 
-    status     sharded (exact, a layer sharded; a float32 gap over 1e-5 is rerun in float64, `arbiter`) | replicated (exact, no layer sharded: at most the vocabulary)
-               | refused (fxpar said why)
+    status     sharded (exact, a layer sharded; a float32 gap over 1e-5 is rerun in float64, `arbiter`)
+               | replicated (exact, no layer sharded: at most the vocabulary) | refused (fxpar said why)
                | wrong (numbers differ) | crash (an error from inside fxpar) | no tiny build (transformers itself
                cannot build or run the tiny model: not counted)
     fwd, bwd   activation all-reduces per layer in forward and backward (Megatron's layout needs 2 and 2; the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import os
 import sys
 import time
@@ -43,7 +44,8 @@ MAX_PARAMS = 20_000_000  # four copies per rank thread must fit a 2-core, 24 GB 
 VOCAB, BATCH, SEQ, LAYERS = 64, 2, 8, 2
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, ffn_hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64, n_embd=32,
-            n_layer=LAYERS, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=LAYERS, decoder_layers=LAYERS, encoder_layers=LAYERS, num_heads=4,
+            n_layer=LAYERS, n_head=4, d_model=32, ffn_dim=64, n_inner=64, num_layers=LAYERS, decoder_layers=LAYERS,
+            encoder_layers=LAYERS, num_heads=4,
             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, n_routed_experts=4,
             num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_dropout=0.0,
             hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
@@ -106,35 +108,32 @@ def _forward_params(model) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
+def _upstream(n, through=lambda a: True):
+    """n and the nodes it is computed from, looking past a node's inputs only where through(node)."""
+    seen, todo = {n}, [n]
+    while todo:
+        a = todo.pop()
+        yield a
+        if through(a):
+            for b in a.all_input_nodes:
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+
+
 def _reads_activation(n) -> bool:
     """n depends on a user input (an activation), not only on weights and buffers."""
     from fxpar.passes.meta import USER, input_of
 
-    seen, todo = set(), [n]
-    while todo:
-        a = todo.pop()
-        if a.op == "placeholder" and input_of(a).kind == USER:
-            return True
-        for b in a.all_input_nodes:
-            if b not in seen:
-                seen.add(b)
-                todo.append(b)
-    return False
+    return any(a.op == "placeholder" and input_of(a).kind == USER for a in _upstream(n))
 
 
 def _of_statistic(n) -> bool:
     """n is computed from a `stat` all-reduce (an RMSNorm's rsqrt of the mean over all heads) before any other
     collective: its f carries b*s values, not an activation."""
-    from fxpar.passes.meta import FXPAR_COMM
+    from fxpar.passes.meta import comm_kind
 
-    seen, todo = set(), [n]
-    while todo:
-        a = todo.pop()
-        if a.meta.get(FXPAR_COMM) == "stat":
-            return True
-        if a.meta.get(FXPAR_COMM) is None:
-            todo.extend(b for b in a.all_input_nodes if b not in seen and not seen.add(b))
-    return False
+    return any(comm_kind(a) == "stat" for a in _upstream(n, through=lambda a: comm_kind(a) is None))
 
 
 def _collectives(pm) -> dict[str, int]:
@@ -156,6 +155,8 @@ def _collectives(pm) -> dict[str, int]:
 
 def _check_rank(model, args, kwargs, traced):
     """One rank: parallelize, compare forward and parameters after SGD, and read the plan."""
+    from fxpar.passes.layers import find_layers
+
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -164,8 +165,6 @@ def _check_rank(model, args, kwargs, traced):
     local = sum(p.numel() for p in pm.parameters())
     total = sum(p.numel() for p in reference.parameters())
     reasons = [r.reason for r in pm.plan.regions if r.reason]
-    from fxpar.passes.layers import find_layers
-
     layers = len(set(find_layers(pm.compiled.traced.gm).entry_of.values())) or 1
     return {"layers": layers, "fwd_gap": fwd, "param_gap": params, "share": local / total, "comm": _collectives(pm),
             "sharded": sum(r.kind == "tp" for r in pm.plan.sharded_regions), "why": reasons[0] if reasons else ""}
@@ -180,7 +179,8 @@ def _per_layer(comm: dict, layers: int) -> tuple[float, float]:
 
 
 def _clean(text: str) -> str:
-    return " ".join(text.split())[:160]
+    """One line of at most 160 characters; a source path is shortened to its package path (transformers/...)."""
+    return " ".join(re.sub(r"/\S*/site-packages/", "", text).split())[:160]
 
 
 def sweep_one(model_type: str, class_name: str, timeout_s: float = 180.0) -> dict:
@@ -268,9 +268,10 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['arch']} | {r['status']} | {ar} | {share} | {r['why'].replace('|', '/')} |")
     unbuilt = [r for r in rows if r["status"] == "no tiny build"]
     if unbuilt:
-        lines += ["", f"Not counted, {len(unbuilt)} whose tiny config transformers cannot build or run, or that stay above 20M parameters: "
-                  + "; ".join(f"{r['arch']} ({r['why'][:60].replace('|', '/')})" for r in sorted(unbuilt, key=lambda r: r['arch']))
-                  + "."]
+        why = "; ".join(f"{r['arch']} ({r['why'][:60].replace('|', '/')})"
+                        for r in sorted(unbuilt, key=lambda r: r["arch"]))
+        lines += ["", f"Not counted, {len(unbuilt)} whose tiny config transformers cannot build or run, or that stay "
+                  f"above {MAX_PARAMS // 10 ** 6}M parameters: {why}."]
     return head + "\n".join(lines) + "\n"
 
 
