@@ -140,8 +140,10 @@ def render(gm, fmt: str, title: str, plan=None) -> str:
 
 
 def _chunk_title(chunk, args, part) -> str:
+    names = [part.entries[i] for i in chunk.layers] if part.entries else list(chunk.layers)
+    layers = f"{names[0]} .. {names[-1]}" if len(names) > 2 else ", ".join(map(str, names))
     return (f"chunk {chunk.index} of {len(part.chunks)} (pipeline rank {chunk.index % args.pp}): layers "
-            f"{list(chunk.layers)} of block {part.block!r}; receives: "
+            f"{layers or '-'} of {part.block!r}; receives: "
             f"{', '.join(map(str, chunk.boundary_in)) or '-'}; sends: {', '.join(map(str, chunk.boundary_out)) or '-'}")
 
 

@@ -28,6 +28,14 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     refused; the GEMM stays replicated or closes the region Megatron's way. Parameters and buffers may be
     scattered (a norm's weight).
 
+[Note: regions with two inputs]
+    Seeds are grouped by the activation they read, but one attention block can read two: a cross-attention's
+    queries come from the decoder, its keys and values from the encoder's output, which every decoder layer reads
+    (one group across the layers). Grown alone, the first group would scatter the other's projections into its
+    region and the second would then conflict with it, leaving both half replicated. So a proven region that
+    scatters in the output of an undecided seed (through layout ops only) is grown again with that seed as one of
+    its own, and keeps the larger region only if it is proven too.
+
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
     the GEMM replicated (the plan names the other use); a bias read elsewhere stays whole and is scattered into the
@@ -298,6 +306,38 @@ def _blocked_by(e: NoRule, seeds, placements, params, order, frozen, activations
     return e
 
 
+_LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+           aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.clone.default, aten.alias.default}
+
+
+def _producer(x: Node, candidates: set[Node]) -> Node | None:
+    """The seed GEMM whose output x is, through layout ops only (a key projection viewed into heads), or None."""
+    while isinstance(x, Node) and x not in candidates and x.op == "call_function" and x.target in _LAYOUT:
+        x = x.args[0]
+    return x if x in candidates else None
+
+
+def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: set[Node], placements, order, frozen,
+             activations) -> tuple[list[Node], Ctx, dict, dict]:
+    """[Note: regions with two inputs] A proven region that scatters in the output of another, still undecided
+    seed (cross-attention: the queries come from the decoder, the keys and values from the encoder's output, two
+    groups) grows again with that seed as one of its own, column-parallel with its own f; kept only if proven."""
+    tried: set[Node] = set()
+    while True:
+        extra = [g for d in got.values() for inp, how in d.enter.items() if how is not None
+                 for g in (_producer(inp, candidates),) if g is not None and g not in seeds and g not in frozen
+                 and g not in tried and not _is_sharded(placements.get(_seed_input(g)))]
+        if not extra:
+            return seeds, ctx, got, specs
+        tried.add(extra[0])
+        trial = Ctx(dict(placements), ctx.t, ctx.params)
+        try:
+            grown, grown_specs = _grow(seeds + [extra[0]], trial, order, frozen, activations)
+        except NoRule:
+            continue
+        seeds, ctx, got, specs = seeds + [extra[0]], trial, grown, grown_specs
+
+
 def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     """Decide the placement of every node of `gm` for tensor parallelism of degree t."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -308,6 +348,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     activations = _activations(gm)
     if t > 1:
         groups, regions = _seed_groups(gm, params)
+        candidates = {g for seeds in groups.values() for g in seeds}
         for x, seeds in groups.items():
             seeds = [s for s in seeds if s not in frozen]
             if not seeds:
@@ -331,13 +372,15 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                         first_error = f"{e} (module {module_path(seeds[0]) or '<root>'})"
                         region.indivisible = isinstance(e, Indivisible)
                     continue
+                subset, ctx, got, specs = _pull_in(list(subset), ctx, got, specs, candidates, placements, order,
+                                                   frozen, activations)
                 placements.update(ctx.placements)
                 decisions.update(got)
                 param_specs.update(specs)
                 region.columns = [s.name for s in subset]
                 region.module = _common_module([n for n, d in got.items() if d.role])
                 region.rows = [n.name for n, d in got.items() if d.role == "row"]
-                region.modules.update({n.name: module_path(n) for n, d in got.items() if d.role == "row"})
+                region.modules.update({n.name: module_path(n) for n, d in got.items() if d.role})
                 label = subset[0].name
                 frozen.update(dict.fromkeys(got, label))
                 frozen.update(dict.fromkeys((i for d in got.values() for i in d.enter), label))

@@ -8,7 +8,11 @@ Glossary
                     and a decoder's layers; the experts inside each MoE layer). A Sequential of torch.nn's leaf
                     modules (Linear, ReLU) is not a block: its entries are ops, not layers.
     main block      the block whose entries own the most nodes, times the most entries, ties to the shortest path:
-                    the model's transformer layers (`h`, `model.layers`). The pipeline cuts between its entries.
+                    the model's transformer layers (`h`, `model.layers`).
+    stacks          the main block and every other block not nested in one (an encoder's layers and a decoder's),
+                    in the order the graph runs them. The pipeline cuts between the entries of all of them, as one
+                    sequence of layers (`encoder.block.0`, `encoder.block.1`, `decoder.block.0`, ...), when the
+                    graph runs that sequence in order; else between the main block's entries only.
     layer of a node its entry of the main block if it has one, else its outermost entry of any other block
                     (recomputation checkpoints these); for the main block also the entry's index (the pipeline
                     balances these).
@@ -45,6 +49,8 @@ class Layers:
     main: Block | None
     entry_of: dict[Node, str] = field(default_factory=dict)  # node -> its outermost block entry ("h.3")
     index_of: dict[Node, int] = field(default_factory=dict)  # node -> its entry's index in the main block
+    sequence: tuple[str, ...] = ()  # the pipeline's layers: entries of the stacks, in the order the graph runs them
+    position_of: dict[Node, int] = field(default_factory=dict)  # node -> its layer's position in `sequence`
 
     def layer(self, node: Node) -> str | None:
         """The outermost block entry a node belongs to (`h.3`), or None."""
@@ -95,4 +101,38 @@ def find_layers(graph_or_gm: Graph | GraphModule) -> Layers:
         entry = next((path for parent, _, path in stack if parent in blocks), None)
         if entry is not None:
             layers.entry_of[n] = entry
+    _sequence(graph, layers, stacks)
     return layers
+
+
+def _nested(block: Block, blocks: dict[str, Block]) -> bool:
+    """Whether block lies inside an entry of another block (the experts of a MoE layer, T5's sub-layers)."""
+    entries = (f"{b.path}.{i}" if b.path else str(i) for b in blocks.values() if b is not block for i in b.indices)
+    return any(block.path == e or block.path.startswith(e + ".") for e in entries)
+
+
+def _sequence(graph: Graph, layers: Layers, stacks: dict) -> None:
+    """Fill layers.sequence and position_of: the stacks' entries in the order the graph runs them, if it runs
+    every layer after the one before (positions never go back in graph order); else the main block's alone."""
+    if layers.main is None:
+        return
+    tops = [b.path for b in layers.blocks.values() if not _nested(b, layers.blocks)]
+    if layers.main.path not in tops:
+        tops = [layers.main.path]
+    for candidates in (tops, [layers.main.path]):
+        entry_at, first = {}, {}
+        for k, n in enumerate(graph.nodes):
+            entry = next((path for parent, _, path in stacks[n] if parent in candidates), None)
+            if entry is not None:
+                entry_at[n] = entry
+                first.setdefault(entry, k)
+        sequence = sorted(first, key=first.__getitem__)
+        position = {e: i for i, e in enumerate(sequence)}
+        steps = [position[entry_at[n]] for n in graph.nodes if n in entry_at]
+        if all(a <= b for a, b in zip(steps, steps[1:])):
+            layers.sequence = tuple(sequence)
+            layers.position_of = {n: position[e] for n, e in entry_at.items()}
+            return
+    main = layers.main  # run out of order (a layer called twice): its entries by index, as the model lists them
+    layers.sequence = tuple(f"{main.path}.{i}" if main.path else str(i) for i in main.indices)
+    layers.position_of = {n: main.indices.index(i) for n, i in layers.index_of.items()}

@@ -1,8 +1,9 @@
 """Partition: cut a (tensor-parallel) graph into p*v pipeline chunks at transformer-layer boundaries.
 
 Glossary
-    block     the repeated module of the model (GPT's `h.N`, Llama's `model.layers.N`): the main block of
-              passes/layers.py, found from nn_module_stack.
+    layer     an entry of the model's stacks of repeated modules (GPT's `h.N`, Llama's `model.layers.N`; T5's
+              `encoder.block.N` then `decoder.block.N`): the sequence of passes/layers.py, found from
+              nn_module_stack. Chunk.layers are positions in that sequence.
     chunk     a contiguous run of layers; chunk i runs on pipeline rank i mod p ([Note: boundaries carry placements]
     A value crosses a boundary as this rank holds it, with its placement (BoundaryValue.placement). Only Replicate
     values may use scatter/gather (each tp rank sends its 1/t, the receiver all-gathers): they are identical on
@@ -69,14 +70,15 @@ class Chunk:
     inputs: tuple[GraphInput, ...]  # one per placeholder of gm: graph inputs, and BOUNDARY values received
     boundary_in: tuple[BoundaryValue, ...]  # what it receives from the previous chunk (BOUNDARY index order)
     boundary_out: tuple[BoundaryValue, ...]  # what it sends to the next chunk (empty for the last chunk)
-    layers: tuple[int, ...]
+    layers: tuple[int, ...]  # positions in Partition.entries
 
 
 @dataclass(frozen=True)
 class Partition:
     chunks: tuple[Chunk, ...]
-    block: str  # the repeated module's path, e.g. "model.layers"
-    layer_cost: tuple[float, ...]  # per layer of the block, in index order
+    block: str  # the stacks' paths, e.g. "model.layers", or "encoder.block, decoder.block"
+    layer_cost: tuple[float, ...]  # per layer, in sequence order
+    entries: tuple[str, ...] = ()  # each layer's module path ("model.layers.3"), in sequence order
 
     def __post_init__(self):
         seen = [layer for c in self.chunks for layer in c.layers]
@@ -129,21 +131,23 @@ def balance(costs: list[float], pre: float, post: float, k: int) -> list[list[in
 
 
 def _chunk_of_nodes(gm: GraphModule, position: dict[Node, int], runs: list[list[int]]) -> dict[Node, int]:
-    """Chunk of every call node; `position` is a node's layer position (0..L-1) in the block."""
+    """Chunk of every call node; `position` is a node's layer position (0..L-1) in the sequence. A node outside
+    the layers (the embedding, a norm between two stacks, an inserted f or g) joins the chunk of the last layer
+    before it in graph order, or a later one its inputs are in: never a chunk after one of its readers."""
     chunk_of_layer = {layer: c for c, run in enumerate(runs) for layer in run}
-    first_layer_pos = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
     out: dict[Node, int] = {}
     sourced = []  # outside the layers, reading only graph inputs (f of a weight, a mask built from constants)
-    for i, n in enumerate(gm.graph.nodes):
+    current = 0  # the chunk of the last layer node so far
+    for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
         if n.op == "output":
             out[n] = len(runs) - 1
         elif n in position:
-            out[n] = chunk_of_layer[position[n]]
-        else:  # inserted nodes (f, g, bias adds) follow their inputs
+            out[n] = current = chunk_of_layer[position[n]]
+        else:
             ins = [out[a] for a in n.all_input_nodes if a in out]
-            out[n] = max(ins) if ins else (0 if i < first_layer_pos else len(runs) - 1)
+            out[n] = max(ins + [current])
             if not ins:
                 sourced.append(n)
     for n in reversed(sourced):  # ... go with their first reader: a weight's f sits with the layer that reads it
@@ -161,27 +165,31 @@ def _param_dependent(gm: GraphModule, params: set[Node]) -> set[Node]:
     return dep
 
 
+def _stacks(entries: tuple[str, ...]) -> str:
+    """The stacks' paths, in order: "h", or "encoder.block, decoder.block"."""
+    return ", ".join(dict.fromkeys(e.rpartition(".")[0] for e in entries))
+
+
 def whole_graph(gm: GraphModule) -> Partition:
     """The one-chunk partition: gm itself, every placeholder an input (no pipeline, or p*v = 1)."""
-    layers = find_layers(gm)
-    indices = layers.main.indices if layers.main is not None else ()
+    entries = find_layers(gm).sequence
     inputs = tuple(input_of(n) for n in gm.graph.nodes if n.op == "placeholder")
-    chunk = Chunk(0, gm, inputs, (), (), indices)
-    return Partition((chunk,), layers.main.path if layers.main else "", (0.0,) * len(indices))
+    chunk = Chunk(0, gm, inputs, (), (), tuple(range(len(entries))))
+    return Partition((chunk,), _stacks(entries), (0.0,) * len(entries), entries)
 
 
 def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -> Partition:
     """Cut gm into k chunks (see the module docstring). The chunks share nothing with gm's graph; k = 1 is gm.
 
-    chunk_layers: the layers (block indices) of each chunk, to keep a cut made before (else balanced here)."""
+    chunk_layers: the layers (positions) of each chunk, to keep a cut made before (else balanced here)."""
     if k == 1:
         return whole_graph(gm)
     layers = find_layers(gm)
     if layers.main is None:
         raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into "
                          f"{k} pipeline chunks")
-    indices = layers.main.indices
-    position = {n: indices.index(i) for n, i in layers.index_of.items()}
+    entries, position = layers.sequence, layers.position_of
+    indices = tuple(range(len(entries)))
     costs = [0.0] * len(indices)
     pre = post = 0.0
     first = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
@@ -198,7 +206,7 @@ def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -
     crossing = _crossing(gm, chunk_of, sent, k)
     chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(indices[i] for i in runs[c]))
                    for c in range(k))
-    return Partition(chunks, layers.main.path, tuple(costs))
+    return Partition(chunks, _stacks(entries), tuple(costs), entries)
 
 
 def _pinned(chunk_layers: tuple, indices: tuple, k: int) -> list[list[int]]:

@@ -260,6 +260,10 @@ def recompute_pass(gm: GraphModule, mode: str) -> GraphModule:
     if mode == "none":
         return gm
     layers = find_layers(gm)
+    if mode == "full" and layers.main is None:
+        raise ValueError("fxpar recompute='full' checkpoints each transformer layer, but this model has no layer "
+                         "list (no ModuleList or Sequential of at least two layers in nn_module_stack).\n"
+                         "Fix: Config(recompute='selective') to recompute the attention cores, or 'none'.")
     regions = _full_regions(gm, layers) if mode == "full" else _selective_regions(gm, layers)
     start = sum(1 for n, _ in gm.named_children() if n.startswith("recompute_"))
     for i, (label, nodes) in enumerate(regions):

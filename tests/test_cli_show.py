@@ -62,7 +62,7 @@ def test_show_one_pipeline_chunk_in_each_format(capsys):
     base = ["show", "examples/gpt.py:factory", "--tp", "2", "--pp", "2", "--vpp", "2", "--chunk", "3"]
     assert main(base) == 0
     out = capsys.readouterr().out
-    assert "chunk 3 of 4 (pipeline rank 1): layers [3] of block 'h'" in out
+    assert "chunk 3 of 4 (pipeline rank 1): layers h.3 of 'h'" in out
     assert "receives: " in out and ": R 2x64x64 float32" in out  # the boundary, as data
     assert "all-gather" in out  # the last chunk holds the LM head
     assert main(base + ["--format", "code"]) == 0

@@ -242,11 +242,13 @@ def test_none_returns_the_graph_untouched():
     assert recompute_pass(gm, "none") is gm and gm.code == code
 
 
-def test_no_layers_no_attention_returns_the_graph_untouched():
+def test_no_layers_no_attention_selective_returns_the_graph_untouched_and_full_says_why():
     gm = trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (torch.randn(2, 8),)).gm
     code = gm.code
-    for mode in ("full", "selective"):
-        assert recompute_pass(gm, mode) is gm and gm.code == code
+    assert recompute_pass(gm, "selective") is gm and gm.code == code
+    with pytest.raises(ValueError, match=r"recompute='full' .* no layer list .*\n.*Fix: Config\(recompute='sel"):
+        recompute_pass(gm, "full")
+    assert gm.code == code
 
 
 def test_twice_is_once():
