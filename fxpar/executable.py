@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpar.clip import clip_grad_norm_
 from fxpar.compiler import Compiled, canonical_keys
 from fxpar.guard import preserve_global_state
 from fxpar.passes.meta import resolve_inputs
@@ -139,6 +140,12 @@ class ParallelModule(nn.Module):
         """Restart this rank's random streams from `seed` ([Note: random streams] in passes/rng.py); call it with
         the same seed on every rank."""
         self.streams.manual_seed(seed)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """torch.nn.utils.clip_grad_norm_ over the whole (p, t, d) model: every gradient counted once (sharded
+        parts summed over tp, replicated and tied weights once); returns the total norm. Call it after step()
+        (which all-reduces over dp) or a backward of pm(x), before the optimizer step. Collective."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def check_replicas(self, grads: bool = False) -> None:
         """Raise fxpar.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""

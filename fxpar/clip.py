@@ -1,0 +1,59 @@
+"""Gradient clipping by the global norm of the whole (p, t, d) model, with torch.nn.utils.clip_grad_norm_'s
+semantics: the norm of all gradients as if the model were one module, every gradient scaled by
+max_norm / (norm + 1e-6) when that is below 1; returns the total norm.
+
+[Note: count every gradient once]
+    A rank's local gradients are not the model's: a tensor-parallel shard is a part of one (summed over the tp
+    group), a replicated weight is the same on every tp rank ([Note: replicated means identical]: counted on tp
+    rank 0 only), a weight tied across pipeline stages has one owner of record (counted there only), and the
+    data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp). So
+    each rank sums |g|^p over what it counts, the sum is all-reduced over tp and pp, and every rank scales all the
+    gradients it holds by the same coefficient, which keeps the replicas identical.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def _counted_here(pm, key: str) -> bool:
+    if key not in pm.specs and pm.comm.rank != 0:
+        return False  # replicated over tp: tp rank 0 counts it
+    tied = pm.replica_groups.get("tied", {}).get(key)
+    return tied is None or dist.get_rank() == min(dist.get_process_group_ranks(tied))
+
+
+@torch.no_grad()
+def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of a ParallelModule by their global norm; returns that norm (see the module docstring)."""
+    norm_type = float(norm_type)
+    if norm_type <= 0 or math.isnan(norm_type):
+        raise ValueError(f"fxpar clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
+    held = {k: pm._live[k] for k in pm._keys if k in pm._slots and pm._aliases[k] == k}
+    grads = {k: t.grad for k, t in held.items() if t.requires_grad and t.grad is not None}
+    counted = [g.detach().to(torch.float64) for k, g in grads.items() if _counted_here(pm, k)]
+    if norm_type == math.inf:
+        local = max((g.abs().max() for g in counted if g.numel()), default=torch.zeros((), dtype=torch.float64))
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((g.abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
+        op = dist.ReduceOp.SUM
+    total = local.reshape(1).clone()
+    groups = [pm.replica_groups.get("tp")]
+    layout = getattr(pm, "groups", None)
+    if layout is not None and layout.pp > 1:
+        groups.append(layout.pp_group)
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=op, group=group)
+    norm = total[0] if norm_type == math.inf else total[0].pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"fxpar clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"{norm.item()}. Fix: find the non-finite gradient, or pass error_if_nonfinite=False")
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads.values():
+        g.mul_(coef.to(g.dtype))
+    dtype = next(iter(grads.values())).dtype if grads else torch.float32
+    return norm.to(dtype)
