@@ -31,8 +31,7 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     norm_type = float(norm_type)
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"fxpar clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    held = {k: pm._live[k] for k in pm._keys if k in pm._slots and pm._aliases[k] == k}
-    grads = {k: t.grad for k, t in held.items() if t.requires_grad and t.grad is not None}
+    grads = {k: t.grad for k, t in pm.held().items() if t.requires_grad and t.grad is not None}
     counted = [g.detach().to(torch.float64) for k, g in grads.items() if _counted_here(pm, k)]
     if norm_type == math.inf:
         local = max((g.abs().max() for g in counted if g.numel()), default=torch.zeros((), dtype=torch.float64))

@@ -141,6 +141,10 @@ class ParallelModule(nn.Module):
         the same seed on every rank."""
         self.streams.manual_seed(seed)
 
+    def held(self) -> dict[str, torch.Tensor]:
+        """Each tensor this rank holds, once, under the key it is registered under (tied keys are one entry)."""
+        return {key: self._live[key] for key in self._keys if key in self._slots and self._aliases[key] == key}
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """torch.nn.utils.clip_grad_norm_ over the whole (p, t, d) model: every gradient counted once (sharded
         parts summed over tp, replicated and tied weights once); returns the total norm. Call it after step()

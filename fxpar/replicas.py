@@ -61,7 +61,7 @@ def _label(group) -> str:
 def check_replicas(pm, grads: bool = False) -> None:
     """Raise ReplicaError unless every replicated weight (and, with grads, its gradient) is bitwise identical on
     every rank that holds a replica of it. A collective over the tp and dp groups and the tied-weight groups."""
-    held = {key: pm._live[key] for key in pm._keys if key in pm._slots and pm._aliases[key] == key}
+    held = pm.held()
     checks = [("weight", held)] + ([("gradient of", _grads(held))] if grads else [])
     for kind, tensors in checks:
         replicated = [(k, t) for k, t in tensors.items() if k not in pm.specs]

@@ -86,7 +86,8 @@ def _refuse_data_dependent(name: str, gm: torch.fx.GraphModule) -> None:
         if symbols:
             raise TraceError(
                 f"{name}: node {n.name} ({n.target}, module {module_path(n) or '<root>'}) has a size or value that "
-                f"depends on tensor data ({', '.join(map(str, sorted(symbols, key=str)))}); fxpar compiles programs of static shapes. Fix: "
+                f"depends on tensor data ({', '.join(map(str, sorted(symbols, key=str)))}); fxpar compiles programs "
+                "of static shapes. Fix: "
                 "compute it without .item() / nonzero / boolean indexing (a fixed capacity, masks instead of gathers)."
             )
 

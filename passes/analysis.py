@@ -322,20 +322,24 @@ def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: se
     """[Note: regions with two inputs] A proven region that scatters in the output of another, still undecided
     seed (cross-attention: the queries come from the decoder, the keys and values from the encoder's output, two
     groups) grows again with that seed as one of its own, column-parallel with its own f; kept only if proven."""
+    def scattered_seeds():  # undecided seeds whose outputs the region scatters in
+        for d in got.values():
+            for inp, how in d.enter.items():
+                g = _producer(inp, candidates) if how is not None else None
+                if g is not None and g not in seeds and g not in frozen and g not in tried \
+                        and not _is_sharded(placements.get(_seed_input(g))):
+                    yield g
+
     tried: set[Node] = set()
-    while True:
-        extra = [g for d in got.values() for inp, how in d.enter.items() if how is not None
-                 for g in (_producer(inp, candidates),) if g is not None and g not in seeds and g not in frozen
-                 and g not in tried and not _is_sharded(placements.get(_seed_input(g)))]
-        if not extra:
-            return seeds, ctx, got, specs
-        tried.add(extra[0])
+    while (g := next(scattered_seeds(), None)) is not None:
+        tried.add(g)
         trial = Ctx(dict(placements), ctx.t, ctx.params)
         try:
-            grown, grown_specs = _grow(seeds + [extra[0]], trial, order, frozen, activations)
+            grown, grown_specs = _grow(seeds + [g], trial, order, frozen, activations)
         except NoRule:
             continue
-        seeds, ctx, got, specs = seeds + [extra[0]], trial, grown, grown_specs
+        seeds, ctx, got, specs = seeds + [g], trial, grown, grown_specs
+    return seeds, ctx, got, specs
 
 
 def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:

@@ -119,16 +119,15 @@ def _sequence(graph: Graph, layers: Layers, stacks: dict) -> None:
     tops = [b.path for b in layers.blocks.values() if not _nested(b, layers.blocks)]
     if layers.main.path not in tops:
         tops = [layers.main.path]
-    for candidates in (tops, [layers.main.path]):
-        entry_at, first = {}, {}
-        for k, n in enumerate(graph.nodes):
+    for candidates in dict.fromkeys((tuple(tops), (layers.main.path,))):
+        entry_at = {}  # in graph order
+        for n in graph.nodes:
             entry = next((path for parent, _, path in stacks[n] if parent in candidates), None)
             if entry is not None:
                 entry_at[n] = entry
-                first.setdefault(entry, k)
-        sequence = sorted(first, key=first.__getitem__)
+        sequence = list(dict.fromkeys(entry_at.values()))  # by first appearance
         position = {e: i for i, e in enumerate(sequence)}
-        steps = [position[entry_at[n]] for n in graph.nodes if n in entry_at]
+        steps = [position[e] for e in entry_at.values()]
         if all(a <= b for a, b in zip(steps, steps[1:])):
             layers.sequence = tuple(sequence)
             layers.position_of = {n: position[e] for n, e in entry_at.items()}

@@ -189,8 +189,7 @@ def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -
         raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into "
                          f"{k} pipeline chunks")
     entries, position = layers.sequence, layers.position_of
-    indices = tuple(range(len(entries)))
-    costs = [0.0] * len(indices)
+    costs = [0.0] * len(entries)
     pre = post = 0.0
     first = min(i for i, n in enumerate(gm.graph.nodes) if n in position)
     for i, n in enumerate(gm.graph.nodes):
@@ -200,21 +199,21 @@ def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -
             pre += node_cost(n)
         else:
             post += node_cost(n)
-    runs = balance(costs, pre, post, k) if chunk_layers is None else _pinned(chunk_layers, indices, k)
+    runs = balance(costs, pre, post, k) if chunk_layers is None else _pinned(chunk_layers, len(entries), k)
     chunk_of = _chunk_of_nodes(gm, position, runs)
     sent = _param_dependent(gm, param_nodes(gm))
     crossing = _crossing(gm, chunk_of, sent, k)
-    chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(indices[i] for i in runs[c]))
+    chunks = tuple(_build_chunk(gm, c, chunk_of, sent, crossing, tuple(runs[c]))
                    for c in range(k))
     return Partition(chunks, _stacks(entries), tuple(costs), entries)
 
 
-def _pinned(chunk_layers: tuple, indices: tuple, k: int) -> list[list[int]]:
-    """The positions of pinned chunk layers; refuses a cut that does not fit this graph's layers."""
-    if len(chunk_layers) != k or [i for run in chunk_layers for i in run] != list(indices):
+def _pinned(chunk_layers: tuple, count: int, k: int) -> list[list[int]]:
+    """The pinned chunk layers as runs; refuses a cut that does not fit this graph's `count` layers."""
+    if len(chunk_layers) != k or [i for run in chunk_layers for i in run] != list(range(count)):
         raise ValueError(f"fxpar partition: the pinned cut {chunk_layers} does not cover this graph's layers "
-                         f"{list(indices)} in {k} chunks")
-    return [[indices.index(i) for i in run] for run in chunk_layers]
+                         f"{list(range(count))} in {k} chunks")
+    return [list(run) for run in chunk_layers]
 
 
 def _crossing(gm, chunk_of, sent, k) -> list[list[Node]]:
