@@ -16,31 +16,34 @@ from fxpar.config import Config
 from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
 from fxpar.passes.ops import TPComm
-from fxpar.passes.plan import make_plan
 from fxpar.passes.rng import RandomStreams
 from fxpar.pipeline import PipelineModule
 
 
 def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
-          mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1, traced=None) -> ParallelModule:
+          mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1, traced=None,
+          example_target=None) -> ParallelModule:
     """Compile `model` for the rank described by `comm` and return its executable.
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
     mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule.
-    traced: a trace of this model to reuse instead of tracing again (see compiler.compile_model)."""
+    traced: a trace of this model to reuse instead of tracing again (see compiler.compile_model).
+    example_target: one microbatch's target; with a loss_fn, the loss is traced with the model now (else at the first
+    step, from its target: [Note: the loss is traced] in fxpar/trace.py)."""
     config = config or Config()
     pipelined = loss_fn is not None or pp > 1
     pp = mesh.size(0) if mesh is not None else pp
     streams = _streams(config, comm, mesh, example_args)
+    loss = (loss_fn, example_target) if loss_fn is not None and example_target is not None and traced is None \
+        else None
     compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config,
-                             traced=traced)
+                             traced=traced, loss=loss)
     if loss_fn is not None and mesh is not None:
         pm = PipelineModule(model, compiled, mesh, loss_fn)
     else:
         pm = ParallelModule(model, compiled, mesh=mesh)
-    partition = compiled.partition if pipelined else None
-    pm.plan = make_plan(compiled.analysis, pm.weight_shards(model.state_dict(keep_vars=True)), partition, pp)
+    pm.plan = pm.make_plan(compiled)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
             f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "
@@ -65,13 +68,15 @@ def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:
 
 
 def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None,
-                loss_fn=None, config: Config | None = None, **kw):
+                loss_fn=None, config: Config | None = None, example_target=None, **kw):
     """Parallelize an unmodified model over `mesh` (a (pp, dp, tp) DeviceMesh from fxpar.init_mesh).
 
     Returns an nn.Module: calling it returns what `model` returns, replicated on every tp rank; its parameters are
     this rank's shards; `full_state_dict()` gathers them under the original keys; `plan` lists every decision.
     With `loss_fn(output, target)` it also trains with `pm.step(*global_batch, target=...)`, which runs the
-    pipeline schedule of `config` (required when pp > 1) and the data-parallel gradient all-reduce.
+    pipeline schedule of `config` (required when pp > 1) and the data-parallel gradient all-reduce. The loss is
+    traced with the model (a cross-entropy over the vocabulary-parallel logits never gathers them); pass
+    example_target (one microbatch's target) to trace it now, else the first step does.
     example_args are one microbatch's inputs.
     """
     if not isinstance(model, nn.Module):
@@ -96,4 +101,7 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         raise ValueError("fxpar.parallelize: loss_fn (training with step()) needs a mesh from fxpar.init_mesh")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"fxpar.parallelize: loss_fn must be callable, got {type(loss_fn).__name__}")
-    return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn)
+    if example_target is not None and loss_fn is None:
+        raise ValueError("fxpar.parallelize: example_target is the target of loss_fn; pass loss_fn too")
+    return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn,
+                 example_target=example_target)

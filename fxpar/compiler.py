@@ -25,7 +25,7 @@ from torch.fx import GraphModule
 
 from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
-from fxpar.passes.canonicalize import drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
+from fxpar.passes.canonicalize import cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.passes.local_shapes import local_shapes_pass
@@ -74,6 +74,7 @@ class Compiled:
     example_kwargs: dict
     target: Target
     config: Config
+    loss: tuple | None = None  # (loss_fn, example target): trace the loss with the model ([Note: the loss is traced])
     traced: Traced | None = None  # trace: the unmodified program, the reference
     gm: GraphModule | None = None  # the working graph, as the graph passes leave it
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
@@ -96,15 +97,17 @@ class Compiled:
 
 # ---------------------------------------------------------------------------------------------------- the stages
 def _trace(c: Compiled) -> Traced:
-    return trace(c.model, c.example_args, c.example_kwargs)
+    return trace(c.model, c.example_args, c.example_kwargs, c.loss)
 
 
 def _canonicalize(c: Compiled) -> GraphModule:
     """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, and every weight
-    contraction in a GEMM form the analysis seeds from (passes/gemm_forms.py)."""
+    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, log_softmax + nll
+    as the cross-entropy it is, and every weight contraction in a GEMM form the analysis seeds from
+    (passes/gemm_forms.py)."""
     gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
-    return gemm_forms_pass(view_as_pass(drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))))
+    gm = drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))
+    return gemm_forms_pass(cross_entropy_pass(view_as_pass(gm)))
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:
@@ -232,14 +235,18 @@ def _same_kind(e: Exception, message: str) -> Exception:
 
 
 def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | None, target: Target,
-                  config: Config | None = None, buffers: dict | None = None, traced: Traced | None = None) -> Compiled:
+                  config: Config | None = None, buffers: dict | None = None, traced: Traced | None = None,
+                  loss: tuple | None = None) -> Compiled:
     """Compile `model` for one rank: every stage of STAGES. The model itself is not modified.
 
+    loss: (loss_fn, example target): the program is loss_fn(model(*args, **kwargs), target) where it can be traced
+    so ([Note: the loss is traced] in fxpar/trace.py).
     buffers: the buffer values the rewrites may rely on (a recompile passes the executable's own).
     traced: the trace stage's product, made once for several ranks or targets of one model in one process (the
     threaded ranks of tests/fuzz.py): it must be `trace(model, example_args, example_kwargs)` of an equal model;
     the stages never rewrite it. Its inputs are checked against the model's state."""
-    c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config(), buffers=buffers)
+    c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config(), loss=loss,
+                 buffers=buffers)
     if traced is None:
         return run_stages(c)
     _check_trace_of(traced, model)

@@ -20,7 +20,7 @@ from fxpar.guard import preserve_global_state
 from fxpar.passes.meta import resolve_inputs
 from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import local_shard, unshard
-from fxpar.passes.plan import Plan, WeightShard
+from fxpar.passes.plan import Plan, WeightShard, make_plan
 from fxpar.programs import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
 from fxpar.weights import LiveState, check_state, expected_state, load_full_or_local
@@ -49,6 +49,7 @@ class ParallelModule(nn.Module):
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
         self._aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
         self._keys = list(model.state_dict(keep_vars=True))  # persistent keys, in the model's order
+        self._shapes = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}  # global shapes
         self.specs = {self._aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
         slots = {}
@@ -70,13 +71,14 @@ class ParallelModule(nn.Module):
         self.train(model.training)
         self.__dict__["replica_groups"] = _replica_groups(mesh)
         self.plan: Plan | None = None
+        self.__dict__["_planned"] = compiled  # the program pm.plan describes
 
     # ---- programs -----------------------------------------------------------------------------------------------
     @property
     def compiled(self) -> Compiled:
         """The program for the current mode and the traced example's arguments."""
         first = self._programs.first
-        return self.program_for(first.traced.example_inputs)
+        return self.program_for(first.traced.example_inputs, first.traced.with_loss)
 
     @property
     def traced(self):
@@ -87,8 +89,16 @@ class ParallelModule(nn.Module):
         """What runs the whole graph of the current program (without a pipeline: its one chunk)."""
         return self.compiled.callables[0]
 
-    def program_for(self, flat: list) -> Compiled:
-        return self._programs.get(self.training, flat, self._live, self._buffer_values)
+    def program_for(self, flat: list, with_loss: bool = False) -> Compiled:
+        """The program for the current mode and these flat inputs: the model's own call, or (with_loss) the loss
+        traced with the model, whose inputs end with the target's ([Note: the loss is traced] in fxpar/trace.py)."""
+        return self._programs.get(self.training, flat, self._live, self._buffer_values, with_loss)
+
+    def make_plan(self, program: Compiled) -> Plan:
+        """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
+        partition = program.partition if program.target.pipelined else None
+        return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
+                         program.traced.loss_note)
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
@@ -103,12 +113,13 @@ class ParallelModule(nn.Module):
 
     def flatten_inputs(self, args, kwargs) -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
+        example, want = self._programs.example(with_loss=False)
         flat, spec = self.traced.flatten(args, kwargs)
-        if spec != self.traced.in_spec:
-            raise ValueError(f"fxpar: {describe_mismatch(self.traced, args, kwargs)}. The parallel program was "
+        if spec != want:
+            raise ValueError(f"fxpar: {describe_mismatch((example, want), args, kwargs)}. The parallel program was "
                              "traced with the example's arguments. Fix: call with the same arguments as "
                              "example_args/example_kwargs, or parallelize again with a matching example.")
-        self.traced.check_shapes(flat)
+        self.traced.check_shapes(flat, example=example)
         return flat
 
     def chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
@@ -172,14 +183,13 @@ class ParallelModule(nn.Module):
             full[key] = full[reg]
         return full
 
-    def weight_shards(self, model_state: dict[str, torch.Tensor]) -> list[WeightShard]:
+    def weight_shards(self) -> list[WeightShard]:
         rows = []
         for key in self._keys:
             if key not in self._slots:
                 continue  # held by another pipeline stage
             spec = self.specs.get(self._aliases[key])
-            rows.append(WeightShard(key, tuple(model_state[key].shape), str(spec) if spec else "R",
-                                    tuple(self._live[key].shape)))
+            rows.append(WeightShard(key, self._shapes[key], str(spec) if spec else "R", tuple(self._live[key].shape)))
         return rows
 
 

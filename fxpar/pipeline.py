@@ -32,6 +32,10 @@ def mesh_groups(mesh) -> Groups:
                   mesh.get_group("pp"), device)
 
 
+class _Pieces(list):
+    """The m microbatch pieces of one leaf of the target (a list that is not part of the target's structure)."""
+
+
 class Stage:
     """One pipeline rank's view of one compiled program: its chunks, how to run one, and the loss."""
 
@@ -44,6 +48,10 @@ class Stage:
         return list(self.program.callables[chunk.index](*inputs))
 
     def loss(self, outs: list, target) -> torch.Tensor:
+        """The microbatch's loss: the last chunk's output when the loss was traced with the model ([Note: the loss
+        is traced] in fxpar/trace.py), else loss_fn called on the model's gathered output."""
+        if self.program.traced.with_loss:
+            return outs[0]
         return self.pm.loss_fn(pytree.tree_unflatten(outs, self.program.traced.out_spec), target)
 
 
@@ -60,6 +68,7 @@ class PipelineModule(ParallelModule):
             used |= set(model.state_dict(keep_vars=True)) - read
         super().__init__(model, compiled, used_keys=used, mesh=mesh)
         self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config)
+        self._programs.loss_fn = loss_fn
         self._tied = self._tied_groups(mesh, partition)
         self.replica_groups["tied"] = self._tied
         self.stats = Stats()
@@ -112,11 +121,14 @@ class PipelineModule(ParallelModule):
                 received = stage.run_chunk(stage.chunks[i], received, flat)
             return pytree.tree_unflatten(received, stage.program.traced.out_spec)
 
-    def _microbatches(self, args, kwargs, target):
+    def _microbatches(self, args, kwargs, target) -> list[tuple[list, list, object]]:
+        """This dp rank's m microbatches of the global batch: (model inputs, inputs with the target, target) each,
+        flat ([Note: the loss is traced] in fxpar/trace.py)."""
         g, m = self.groups, self.config.microbatches
+        example, want = self._programs.example(with_loss=False)
         flat, spec = self.traced.flatten(args, kwargs)
-        if spec != self.traced.in_spec:
-            raise ValueError(f"fxpar step: {describe_mismatch(self.traced, args, kwargs)}; pass step() the same "
+        if spec != want:
+            raise ValueError(f"fxpar step: {describe_mismatch((example, want), args, kwargs)}; pass step() the same "
                              "arguments as "
                              "the traced example (keyword arguments included), with tensors of dp*m times its rows")
 
@@ -132,18 +144,33 @@ class PipelineModule(ParallelModule):
 
         pieces = [split(x) for x in flat]
         micro = [[p[i] for p in pieces] for i in range(m)]
-        rows = next((x.shape[0] for x in self.traced.example_inputs if isinstance(x, torch.Tensor)), 1)
+        rows = next((x.shape[0] for x in example if isinstance(x, torch.Tensor)), 1)
         self.traced.check_shapes(micro[0], "fxpar step (one microbatch)",
-                                 f" per microbatch: a global batch of dp*m*{rows} = {g.dp * m * rows} rows")
-        return micro, split(target)
+                                 f" per microbatch: a global batch of dp*m*{rows} = {g.dp * m * rows} rows", example)
+        targets = pytree.tree_map(lambda x: _Pieces(split(x)), target)
+        targets = [pytree.tree_map(lambda pieces: pieces[i], targets, is_leaf=lambda x: isinstance(x, _Pieces))
+                   for i in range(m)]
+        out = []
+        for inputs, tgt in zip(micro, targets):
+            args_i, kwargs_i = pytree.tree_unflatten(inputs, want)
+            out.append((inputs, self.traced.flatten(args_i, kwargs_i, tgt)[0], tgt))
+        return out
 
     def step(self, *args, target, **kwargs) -> torch.Tensor:
         """One batch forward and backward over the pipeline; returns the batch's mean loss on every rank."""
         with preserve_global_state():
-            micro, targets = self._microbatches(args, kwargs, target)
-            stage = Stage(self, self.program_for(micro[0]))
+            micro = self._microbatches(args, kwargs, target)
+            if self._programs.example_target is None:  # no example_target: the first step's traces the loss
+                self._programs.example_target = micro[0][2]
+            program = self.program_for(micro[0][1], with_loss=True)
+            if not program.traced.with_loss:  # the loss_fn could not be traced: the model's program, then loss_fn
+                program = self.program_for(micro[0][0])
+            if program is not self._planned:
+                self._planned, self.plan = program, self.make_plan(program)
+            stage = Stage(self, program)
             self.check_weights(stage.program, stage.chunks.values())
-            return self._step(stage, micro, targets)
+            inputs = [with_target if program.traced.with_loss else model for model, with_target, _ in micro]
+            return self._step(stage, inputs, [tgt for _, _, tgt in micro])
 
     def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
         self.stats = Stats()

@@ -37,9 +37,9 @@ def static_key(flat: list) -> tuple:
     return tuple(out)
 
 
-def describe_mismatch(traced, args, kwargs) -> str:
-    """Which argument of a call differs in structure from the traced example, in words."""
-    example = pytree.tree_unflatten(list(traced.example_inputs), traced.in_spec)
+def describe_mismatch(example_call: tuple[list, pytree.TreeSpec], args, kwargs) -> str:
+    """Which argument of a call differs in structure from the example call (flat inputs, spec), in words."""
+    example = pytree.tree_unflatten(*example_call)
     want = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(example)[0]}
     got = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path((tuple(args), kwargs or {}))[0]}
     for path, leaf in want.items():
@@ -65,22 +65,30 @@ def _short(x) -> str:
 
 
 class Programs:
-    """The compiled programs of one executable, by (training, non-tensor arguments)."""
+    """The compiled programs of one executable, by (training, with the loss, non-tensor arguments)."""
 
     def __init__(self, first: Compiled, training: bool):
         self.first = first
-        self.by_key = {(training, static_key(first.traced.example_inputs)): first}
+        self.loss_fn, self.example_target = first.loss or (None, None)  # a pipeline sets them ([Note: the loss ...])
+        self.by_key = {(training, first.traced.with_loss, static_key(first.traced.example_inputs)): first}
         self._seen: dict = {}  # GraphInput -> (id, _version) of the buffer last checked
 
-    def get(self, training: bool, flat: list, live_state, buffer_values) -> Compiled:
-        key = (training, static_key(flat))
+    def example(self, with_loss: bool) -> tuple[list, pytree.TreeSpec]:
+        """The flat inputs and spec of the example call: the model's own, or with its loss's target
+        ([Note: the loss is traced] in fxpar/trace.py)."""
+        first = self.first
+        args = (*first.example_args, self.example_target) if with_loss else first.example_args
+        return pytree.tree_flatten((tuple(args), first.example_kwargs))
+
+    def get(self, training: bool, flat: list, live_state, buffer_values, with_loss: bool = False) -> Compiled:
+        key = (training, with_loss, static_key(flat))
         program = self.by_key.get(key)
         if program is not None and not self._assumptions_hold(program, live_state):
             log.info("fxpar: a buffer a rewrite relied on changed; compiling again")
             del self.by_key[key]
             program = None
         if program is None:
-            program = self.by_key[key] = self._compile(training, flat, buffer_values())
+            program = self.by_key[key] = self._compile(training, flat, buffer_values(), with_loss)
             if len(self.by_key) > MANY_PROGRAMS:
                 warnings.warn(f"fxpar: {len(self.by_key)} programs compiled for different modes or non-tensor "
                               "arguments; an argument that changes every call recompiles every call (pass it as a "
@@ -100,23 +108,31 @@ class Programs:
             self._seen[gi] = mark
         return True
 
-    def _compile(self, training: bool, flat: list, buffers: dict) -> Compiled:
+    def _compile(self, training: bool, flat: list, buffers: dict, with_loss: bool) -> Compiled:
         first = self.first
-        leaves = [base if isinstance(base, torch.Tensor) else x for base, x in zip(first.traced.example_inputs, flat)]
-        args, kwargs = pytree.tree_unflatten(leaves, first.traced.in_spec)
+        example, spec = self.example(with_loss)
+        leaves = [base if isinstance(base, torch.Tensor) else x for base, x in zip(example, flat)]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        loss = None
+        if with_loss:
+            *args, target = args
+            loss = (self.loss_fn, target)
         target = first.target
         if target.pipelined:
             target = Target(target.comm, target.pp, True, target.streams,
                             tuple(c.layers for c in first.partition.chunks))
         model, was_training = first.model, first.model.training
+        # a buffer this rank does not hold (another stage's, or one no chunk read) keeps the model's value
+        buffers = {**dict(model.named_buffers(remove_duplicate=False)), **buffers}
         model.train(training)
         try:
-            program = compile_model(model, args, kwargs, target, first.config, buffers)
+            program = compile_model(model, args, kwargs, target, first.config, buffers, loss=loss)
         finally:
             model.train(was_training)
         if program.specs != first.specs:
             changed = sorted(set(program.specs.items()) ^ set(first.specs.items()), key=lambda kv: kv[0])[:3]
-            raise ValueError(f"fxpar: the program for training={training} and these arguments shards the weights "
+            raise ValueError(f"fxpar: the program for training={training}{' with the loss' * with_loss} and these "
+                             "arguments shards the weights "
                              f"differently than the first one ({changed}); parallelize the model in that mode "
                              "instead")
         return program

@@ -5,9 +5,18 @@ inputs. Every placeholder is stamped with the GraphInput it stands for (passes/m
 state_dict names, and every node with its own name as FXPAR_ORIGIN, so rewritten copies still say which value of the
 traced program they compute. The traced graph itself is never rewritten: the compiler works on a copy, and verify
 runs this one as the reference.
+
+[Note: the loss is traced]
+    With a loss_fn, the program the pipeline trains is loss_fn(model(*args, **kwargs), target), traced as one graph:
+    the analysis then sees the loss, so a cross-entropy over the vocabulary-parallel logits becomes Megatron's
+    vocab-parallel cross-entropy (passes/vocab_loss.py) and the logits are never gathered. The target is one more
+    user input, after the positional arguments. The model's own call (`pm(x)`) is another program, traced without
+    the loss. A loss_fn that cannot be traced (Python on tensor values, a non-scalar result) is called on the
+    gathered output instead, and the plan says why.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +33,9 @@ class TraceError(RuntimeError):
     pass
 
 
+NO_TARGET = object()  # Traced.flatten of a call without a target (the model's own call)
+
+
 _KINDS = {InputKind.PARAMETER: PARAMETER, InputKind.BUFFER: BUFFER, InputKind.CONSTANT_TENSOR: CONSTANT,
           InputKind.USER_INPUT: USER}
 
@@ -38,13 +50,18 @@ class Traced:
     constants: dict
     model_name: str = ""
     kwarg_order: tuple[str, ...] = ()
+    with_loss: bool = False  # the program is loss_fn(model(*args), target): its one output is the loss
+    loss_note: str = ""  # a loss_fn was given but not traced with the model: why (the plan says it)
 
-    def flatten(self, args, kwargs) -> tuple[list, pytree.TreeSpec]:
-        """Flatten a call like the example: keyword arguments in the traced order, however they were passed."""
+    def flatten(self, args, kwargs, target=NO_TARGET) -> tuple[list, pytree.TreeSpec]:
+        """Flatten a call like the example: keyword arguments in the traced order, however they were passed. The
+        call of a program traced with its loss takes the target after the positional arguments ([Note: the loss
+        is traced])."""
         kwargs = kwargs or {}
         if set(kwargs) == set(self.kwarg_order):
             kwargs = {k: kwargs[k] for k in self.kwarg_order}
-        return pytree.tree_flatten((tuple(args), kwargs))
+        args = tuple(args) if target is NO_TARGET else (*args, target)
+        return pytree.tree_flatten((args, kwargs))
 
     def flatten_call(self, args, kwargs, where: str = "fxpar") -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
@@ -58,9 +75,10 @@ class Traced:
         self.check_shapes(flat, where)
         return flat
 
-    def check_shapes(self, flat: list, where: str = "fxpar", rows: str = "") -> None:
-        """Raise ValueError unless every tensor input has the traced example's shape. `rows` adds a hint."""
-        for i, (got, want) in enumerate(zip(flat, self.example_inputs)):
+    def check_shapes(self, flat: list, where: str = "fxpar", rows: str = "", example: list | None = None) -> None:
+        """Raise ValueError unless every tensor input has the shape of the traced example (or of `example`, the
+        flat inputs of another call of the model). `rows` adds a hint."""
+        for i, (got, want) in enumerate(zip(flat, self.example_inputs if example is None else example)):
             if isinstance(want, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.shape != want.shape):
                 got_shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 raise ValueError(
@@ -92,8 +110,46 @@ def _refuse_data_dependent(name: str, gm: torch.fx.GraphModule) -> None:
             )
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
-    """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced."""
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, loss: tuple | None = None) -> Traced:
+    """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced.
+
+    loss: (loss_fn, example_target): trace loss_fn(model(*args, **kwargs), target) as one program ([Note: the loss
+    is traced]); if that cannot be traced but the model can, the trace is the model's and `loss_note` says why."""
+    if loss is None:
+        return _trace(model, args, kwargs)
+    loss_fn, target = loss
+    try:
+        traced = _trace(model, (*args, target), kwargs, loss_fn)
+        _check_scalar(traced)
+        return traced
+    except TraceError as e:
+        traced = _trace(model, args, kwargs)  # raises the model's own error if the model cannot be traced either
+        lines = str(e).splitlines()
+        reason = lines[1].strip() if len(lines) > 1 and "export said" in lines[0] else lines[0]
+        traced.loss_note = f"loss_fn is called on the gathered output, not traced with the model: {reason}"
+        return traced
+
+
+def _check_scalar(traced: Traced) -> None:
+    out = [n for n in traced.gm.graph.nodes if n.op == "output"][0].args[0]
+    val = out[0].meta.get("val") if len(out) == 1 and isinstance(out[0], torch.fx.Node) else None
+    if traced.out_spec != pytree.treespec_leaf() or not isinstance(val, torch.Tensor) or val.dim() \
+            or not val.is_floating_point():
+        raise TraceError(f"loss_fn does not return one floating-point scalar tensor (it returns {traced.out_spec})")
+
+
+def _with_loss(model: torch.nn.Module, loss_fn):
+    """model.forward for the trace of loss_fn(model(*args), target): the target is the last positional argument."""
+    forward = type(model).forward
+
+    def forward_with_loss(self, *args, **kwargs):
+        *inputs, target = args
+        return loss_fn(forward(self, *inputs, **kwargs), target)
+
+    return types.MethodType(forward_with_loss, model)
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_fn=None) -> Traced:
     kwargs = kwargs or {}
     name = type(model).__name__
     hooked = backward_hooks(model)
@@ -102,7 +158,13 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                          "remove them before fxpar.parallelize (gradients would silently differ).")
     try:
         with preserve_global_state(), watch_trace() as dropped:
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            if loss_fn is not None:
+                model.forward = _with_loss(model, loss_fn)  # an instance attribute, deleted right after
+            try:
+                ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            finally:
+                if loss_fn is not None:
+                    del model.forward
     except Exception as e:  # export raises many types; show its reason whole
         raise TraceError(
             f"fxpar could not trace {name} with torch.export (non-strict). export said:\n"
@@ -140,4 +202,5 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     for n in gm.graph.nodes:
         n.meta[FXPAR_ORIGIN] = n.name
     flat, in_spec = pytree.tree_flatten((tuple(args), kwargs))
-    return Traced(gm, tuple(inputs), in_spec, ep.call_spec.out_spec, flat, dict(ep.constants), name, tuple(kwargs))
+    return Traced(gm, tuple(inputs), in_spec, ep.call_spec.out_spec, flat, dict(ep.constants), name, tuple(kwargs),
+                  with_loss=loss_fn is not None)

@@ -71,6 +71,7 @@ class Region:
     reason: str = ""  # why seeds were left replicated
     indivisible: bool = False  # the reason is a size that t does not divide
     kind: str = "tp"  # "tp": column- then row-parallel GEMMs; "vocab": the vocab-parallel embedding and LM head
+    logits: str = ""  # vocab: what becomes of the LM head's sharded logits (gathered, or the loss ops they reach)
     modules: dict[str, str] = field(default_factory=dict)
 
 
@@ -111,7 +112,7 @@ def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
     return out
 
 
-def _activations(gm: GraphModule) -> set[Node]:
+def activations_of(gm: GraphModule) -> set[Node]:
     """Nodes whose value depends on a model input (not only on parameters, buffers and constants)."""
     out = set()
     for n in gm.graph.nodes:
@@ -165,12 +166,7 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
     is a conflict ([Note: one decision per node]): the region is refused, never overwritten. activations: the
     nodes computed from a model input; one scattered on its features into an elementwise op would be the residual
     stream joining the region ([Note: regions close at row GEMMs])."""
-    decisions, specs, heap = {}, {}, []
-
-    def push_users(n):
-        for u in n.users:
-            heapq.heappush(heap, (order[u], id(u), u))
-
+    decisions, specs = {}, {}
     for g in seeds:
         s = _seed_spec(g, ctx.t)
         if not s.divisible(ctx.t):
@@ -179,7 +175,23 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
         decisions[g], got = _column(g, s, ctx.params, x)
         specs.update(got)
         ctx.placements[g] = s
-        push_users(g)
+    spread(seeds, decisions, specs, ctx, order, frozen, activations)
+    specs.update(_shard_scattered_params(decisions, ctx))
+    return decisions, specs
+
+
+def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: dict[Node, int],
+           frozen: dict[Node, str], activations: set[Node]) -> None:
+    """Propagate the sharded placements of `starts` (decided, in ctx) through their users with the op rules, into
+    `decisions` and `specs`, until every path is closed (Replicate); raises NoRule where one cannot be."""
+    heap = []
+
+    def push_users(n):
+        for u in n.users:
+            heapq.heappush(heap, (order[u], id(u), u))
+
+    for n in starts:
+        push_users(n)
     while heap:
         n = heapq.heappop(heap)[2]
         if n in decisions:
@@ -205,8 +217,6 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
             specs.update(_row_spec(n, ctx.placements[x]))
         elif _is_sharded(d.out):
             push_users(n)
-    specs.update(_shard_scattered_params(decisions, ctx))
-    return decisions, specs
 
 
 def _shard_scattered_params(decisions: dict[Node, Decision], ctx: Ctx) -> dict[Node, Shard]:
@@ -349,7 +359,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
     decisions: dict[Node, Decision] = {}
     param_specs: dict[Node, Shard] = {}
     regions, frozen = [], {}
-    activations = _activations(gm)
+    activations = activations_of(gm)
     if t > 1:
         groups, regions = _seed_groups(gm, params)
         candidates = {g for seeds in groups.values() for g in seeds}
@@ -414,4 +424,5 @@ def check_divisible(analysis: Analysis) -> None:
         )
 
 
-__all__ = ["Analysis", "Region", "analyze", "check_divisible", "weight_specs", "plain_shard", "Replicate"]
+__all__ = ["Analysis", "Region", "activations_of", "analyze", "spread", "check_divisible", "weight_specs",
+           "plain_shard", "Replicate"]

@@ -70,3 +70,43 @@ def view_as_pass(gm: GraphModule) -> GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+_ROW_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+              torch.ops.aten.flatten.using_ints}
+_LOG_SOFTMAX = {torch.ops.aten.log_softmax.int, torch.ops.aten._log_softmax.default}
+
+
+def cross_entropy_pass(gm: GraphModule) -> GraphModule:
+    """`nll_loss(log_softmax(x, -1).view(-1, V), y, ...)` -> `cross_entropy_loss(x.view(-1, V), y, ...)`: ATen's
+    cross-entropy is exactly that composition (log_softmax over the class dim, then nll_loss_nd), so the value is the
+    same bit for bit, and the loss has one spelling that the vocab-parallel rule knows (passes/rules_loss.py).
+    Only where the log-probabilities feed the nll_loss alone, through views that keep the class dim last, and the
+    nll's input is [N, V] or [V]. Returns gm."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.nll_loss_nd.default or n.kwargs:
+            continue
+        chain, x = [], n.args[0]
+        while x.op == "call_function" and x.target in _ROW_VIEWS and len(x.users) == 1 \
+                and x.meta["val"].shape[-1] == x.args[0].meta["val"].shape[-1]:
+            chain.append(x)
+            x = x.args[0]
+        if x.op != "call_function" or x.target not in _LOG_SOFTMAX or len(x.users) != 1 \
+                or n.args[0].meta["val"].dim() > 2:
+            continue
+        src, dim = x.args[0], x.args[1]
+        if dim % src.meta["val"].dim() != src.meta["val"].dim() - 1 or x.target is torch.ops.aten._log_softmax.default \
+                and x.args[2]:
+            continue
+        if x.target is torch.ops.aten.log_softmax.int and (x.args[2:] or x.kwargs.get("dtype")):
+            continue  # a dtype cast inside the log_softmax: keep it as written
+        (chain[-1] if chain else n).replace_input_with(x, src)
+        gm.graph.erase_node(x)
+        n.target = torch.ops.aten.cross_entropy_loss.default
+        n.args = (*n.args[:5], *[None, 1, -100][len(n.args) - 2:], 0.0)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

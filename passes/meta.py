@@ -44,6 +44,9 @@ COMM_KINDS = {
     "gather": "all-gather",
     "scatter": "scatter (all-gather in backward)",
     "vocab_embedding": "vocab lookup + all-reduce",
+    "vocab_cross_entropy": "vocab-parallel cross-entropy (max + sum all-reduces per token)",
+    "vocab_logsumexp": "vocab-parallel logsumexp (max + sum all-reduces per token)",
+    "vocab_gather": "vocab-parallel gather (sum all-reduce per token)",
 }
 FORWARD_IDENTITY = frozenset({"f"})  # collectives whose forward moves no data (allowed inside recomputed regions)
 

@@ -151,20 +151,25 @@ class VocabParallelEmbedding(_TPModule):
         return _G.apply(out, self.comm)
 
 
-def _check_ids(ids: torch.Tensor, vocab: int) -> None:
-    """Raise as aten.embedding does for an id outside [0, vocab): each rank would see it as another rank's row and
-    the all-reduce would silently return a zero vector. On an accelerator the check is asynchronous (no sync)."""
+def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:
+    """Raise as aten.embedding (or the loss) does for an id outside [0, vocab): each rank would see it as another
+    rank's row and the all-reduce would silently return zeros. On an accelerator the check is asynchronous."""
     if _shape_only(ids):
         return
     bad = (ids < 0) | (ids >= vocab)
     if ids.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"fxpar: a token id is outside the vocabulary [0, {vocab})")
+        torch._assert_async(~bad.any(), f"fxpar: a {what} is outside the vocabulary [0, {vocab})")
     elif bad.any():
-        raise IndexError(f"fxpar: token id {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
-                         "(index out of range in self, as the unparallelized embedding would say)")
+        raise IndexError(f"fxpar: {what} {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
+                         "(index out of range, as the unparallelized op would say)")
 
 
 COMM_MODULES = {  # kind (passes/meta.py COMM_KINDS) -> module
     "f": CopyToTP, "g": ReduceFromTP, "stat": ReduceFromTP, "scatter": ScatterToTP, "gather": GatherFromTP,
     "vocab_embedding": VocabParallelEmbedding,
 }
+
+from .vocab_ops import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp  # noqa: E402
+
+COMM_MODULES.update(vocab_cross_entropy=VocabParallelCrossEntropy, vocab_logsumexp=VocabParallelLogsumexp,
+                    vocab_gather=VocabParallelGather)

@@ -22,6 +22,7 @@ class Plan:
     regions: tuple[Region, ...]
     weights: tuple[WeightShard, ...]
     stages: tuple[tuple[int, int, tuple[int, ...], tuple[str, ...]], ...] = ()  # (chunk, pp rank, layers, sends)
+    logits: str = ""  # what becomes of the LM head's logits: gathered (why), or kept sharded into the loss ops
 
     def __post_init__(self):
         if self.tp < 1:
@@ -67,11 +68,15 @@ class Plan:
             f"fxpar plan, t={self.tp}: {len(self.sharded_regions)} sharded regions, "
             f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
         )
+        text += f"\n\nlogits: {self.logits}" if self.logits else ""
         return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
 
-def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1) -> Plan:
-    """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table."""
+def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "") -> Plan:
+    """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
+    not traced with the model (fxpar/trace.py)."""
     stages = () if partition is None else tuple(
         (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
-    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages)
+    logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
+    logits = "; ".join(x for x in (logits, loss_note) if x)
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits)

@@ -468,6 +468,10 @@ _register(batched_matmul, aten.matmul, aten.bmm)
 for _op in GEMM_WEIGHT_ARG:
     RULES[_op] = gemm
 
+from .rules_loss import LOSS_RULES  # noqa: E402 - the loss rules build on this module's helpers
+
+RULES.update(LOSS_RULES)
+
 
 def rule_for(node: Node):
     """The rule of this node's op family, or None (the analysis then refuses the sharding)."""

@@ -36,6 +36,7 @@ from .placements import Partial, Replicate, Shard
 from .rules import arg
 
 R = Replicate()
+VOCAB_OPS = ("vocab_embedding", "vocab_cross_entropy", "vocab_logsumexp", "vocab_gather")  # roles: a module call
 
 aten = torch.ops.aten
 
@@ -172,14 +173,14 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
             replaced[node] = _reduce_then_bias(gm, node, comm)
         elif d.role == "reduce":
             replaced[node] = _reduce_partial(gm, node, comm)
-        elif d.role == "vocab_embedding":
+        elif d.role in VOCAB_OPS:  # the same call, to its vocab-parallel module (passes/vocab_ops.py)
             with gm.graph.inserting_before(node):
-                lookup = call_comm(gm, "vocab_embedding", comm, node.args, node.kwargs)
-            keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the lookup it replaces
-            lookup.meta.update({k: node.meta[k] for k in keep if k in node.meta})
-            node.replace_all_uses_with(lookup)
+                op = call_comm(gm, d.role, comm, node.args, node.kwargs)
+            keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the node it replaces
+            op.meta.update({k: node.meta[k] for k in keep if k in node.meta})
+            node.replace_all_uses_with(op)
             gm.graph.erase_node(node)
-            replaced[node] = lookup
+            replaced[node] = op
         elif d.role == "vocab_head":
             replaced[node] = _vocab_head(gm, node, comm)
     gm.graph.lint()

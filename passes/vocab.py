@@ -3,21 +3,31 @@
 Pattern: the token embedding is the largest aten.embedding over a weight parameter whose ids are an integer model
 input (through views and copies only: not positions computed from an arange or a mask); its rows are the
 vocabulary V. Each rank keeps rows [r*V/t, (r+1)*V/t): it looks up the ids in its range, zeroes the others, and
-all-reduces (one all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V and whose logits reach the
-output (or whose weight is the embedding's, when tied) and that no region claimed is the LM head: column-parallel over the vocabulary, its input
-through f, and its logits all-gathered so the caller sees the full logits. Tied weights share the one shard, so their
-gradients meet in the same local tensor. Why it is safe: both are exact reformulations with the sums and
-concatenations done by the collectives.
+all-reduces (one all-reduce forward, none backward). A GEMM with a weight parameter whose output features are V
+and whose logits reach the output (or whose weight is the embedding's, when tied) and that no region claimed is the
+LM head: column-parallel over the vocabulary, its input through f, and its logits all-gathered so the caller sees
+the full logits, unless they flow only into the loss ([Note: the loss of sharded logits]). Tied weights share the
+one shard, so their gradients meet in the same local tensor. Why it is safe: both are exact reformulations with the
+sums and concatenations done by the collectives.
+
+[Note: the loss of sharded logits]
+    When the loss is traced with the model (fxpar/trace.py), the logits may flow only into the loss. Then they are
+    not gathered: their sharding is propagated with the op rules (views, the fp32 cast, a shift) to the ops that
+    close it, the vocab-parallel cross-entropy, logsumexp and gather (passes/rules_loss.py, vocab_ops.py), which
+    all-reduce per-token values only. If any path cannot be closed so (the logits are also an output, or an op has
+    no rule), the head gathers its logits as before and the plan says why.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch.fx import Node
 
-from .analysis import Analysis, Region
+from .analysis import Analysis, Region, activations_of, spread
 from .meta import USER, input_of, module_path
 from .placements import Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, Decision, other_use
+from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, NoRule, other_use
 
 aten = torch.ops.aten
 
@@ -125,9 +135,33 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
         analysis.decisions[h] = Decision(Replicate(), enter, role="vocab_head")
         record.rows.append(h.name)
         record.modules[h.name] = module_path(h)
+        _keep_sharded(gm, analysis, h, params, record)
     analysis.param_specs[table] = spec
     analysis.regions.append(record)
     return analysis
+
+
+def _keep_sharded(gm, analysis: Analysis, head: Node, params: set[Node], record: Region) -> None:
+    """[Note: the loss of sharded logits] Keep the head's logits sharded if every path from them ends in a loss op
+    over the vocabulary (a cross-entropy, a logsumexp, the target's gather: passes/rules_loss.py) or another closing
+    rule; else they are gathered, and the record says why."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ctx = Ctx(dict(analysis.placements), analysis.t, params)
+    ctx.placements[head] = Shard(head.meta["val"].dim() - 1, (head.meta["val"].shape[-1],))
+    decisions, specs = {}, {}
+    frozen = dict.fromkeys(analysis.decisions, "an earlier region")
+    try:
+        spread([head], decisions, specs, ctx, order, frozen, activations_of(gm))
+    except NoRule as e:
+        record.logits += f"{head.name}: gathered ({e}); "
+        return
+    analysis.decisions[head] = dataclasses.replace(analysis.decisions[head], out=ctx.placements[head],
+                                                   role="vocab_head_local")
+    analysis.decisions.update(decisions)
+    analysis.placements.update({n: ctx.placements[n] for n in [head, *decisions]})
+    analysis.param_specs.update(specs)
+    closing = [n.name for n, d in decisions.items() if d.role]
+    record.logits += f"{head.name}: kept sharded into {', '.join(closing)}; "
 
 
 __all__ = ["vocab_analysis", "GEMM_WEIGHT_ARG", "Shard"]
