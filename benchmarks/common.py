@@ -114,6 +114,14 @@ def launch(run, args) -> dict:
     return spawn(run, args, args.nproc, args.timeout)
 
 
+def launch_and_print(run, args, format_table) -> dict:
+    """launch(run, args), then print format_table(result) on rank 0; returns the result ({} on other ranks)."""
+    result = launch(run, args)
+    if result:
+        print(format_table(result), flush=True)
+    return result
+
+
 def spawn(run, args, nproc: int, timeout: float):
     """run(args) on `nproc` ranks spawned here, one thread each, in a gloo group over a FileStore in a temporary
     directory (never a fixed port); returns rank 0's result. run: a module-level function, as for `launch`."""

@@ -137,12 +137,7 @@ def _run(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    args = _parse(argv)
-    result = common.launch(_run, args)
-    if not result:
-        return {}
-    print(format_table(result), flush=True)
-    return result
+    return common.launch_and_print(_run, _parse(argv), format_table)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ max_norm / (norm + 1e-6) when that is below 1; returns the total norm.
     A rank's local gradients are not the model's: a tensor-parallel shard is a part of one (summed over the tp
     group), a replicated weight is the same on every tp rank ([Note: replicated means identical]: counted on tp
     rank 0 only), a weight tied across pipeline stages has one owner of record (counted there only), and the
-    data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp). So
+    data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp; with
+    the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). So
     each rank sums |g|^p over what it counts, the sum is all-reduced over tp and pp, and every rank scales all the
     gradients it holds by the same coefficient, which keeps the replicas identical.
 """
@@ -31,16 +32,22 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     norm_type = float(norm_type)
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"fxpar clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    grads = {k: t.grad for k, t in pm.held().items() if t.requires_grad and t.grad is not None}
+    zero = pm.__dict__.get("_zero")  # the distributed optimizer: this rank's reduce-scattered pieces
+    grads = zero.grads() if zero is not None else \
+        {k: t.grad for k, t in pm.held().items() if t.requires_grad and t.grad is not None}
+    if not grads:
+        raise RuntimeError("fxpar clip_grad_norm_: no gradients to clip on this rank. Fix: call it after pm.step() "
+                           "(or a backward of pm(x)), before the optimizer's step")
     counted = [g.detach().to(torch.float64) for k, g in grads.items() if _counted_here(pm, k)]
+    nothing = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
     if norm_type == math.inf:
-        local = max((g.abs().max() for g in counted if g.numel()), default=torch.zeros((), dtype=torch.float64))
+        local = max((g.abs().max() for g in counted if g.numel()), default=nothing)
         op = dist.ReduceOp.MAX
     else:
-        local = sum((g.abs().pow(norm_type).sum() for g in counted), torch.zeros((), dtype=torch.float64))
+        local = sum((g.abs().pow(norm_type).sum() for g in counted), nothing)
         op = dist.ReduceOp.SUM
     total = local.reshape(1).clone()
-    groups = [pm.replica_groups.get("tp")]
+    groups = [pm.replica_groups.get("tp")] + ([pm.groups.dp_group] if zero is not None else [])
     layout = getattr(pm, "groups", None)
     if layout is not None and layout.pp > 1:
         groups.append(layout.pp_group)

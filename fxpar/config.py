@@ -20,6 +20,7 @@ class Config:
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
     seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
     check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)
+    zero: int = 0  # 1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/zero.py); 0: plain
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -38,5 +39,8 @@ class Config:
             raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"Config.seed must be an int or None, got {self.seed!r}")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"Config.zero must be 0 (a plain optimizer) or 1 (optimizer state sharded over dp), got "
+                             f"{self.zero!r}")
         if not isinstance(self.check_replicas_every, int) or self.check_replicas_every < 0:
             raise ValueError(f"Config.check_replicas_every must be an int >= 0, got {self.check_replicas_every!r}")

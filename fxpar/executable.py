@@ -162,6 +162,19 @@ class ParallelModule(nn.Module):
         (which all-reduces over dp) or a backward of pm(x), before the optimizer step. Collective."""
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    def optimizer(self, optimizer_cls, **kwargs):
+        """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with Config(zero=1),
+        Megatron's distributed optimizer over the dp group (fxpar/zero.py). Make it before the first step()."""
+        if not self._programs.first.config.zero:
+            return optimizer_cls(self.parameters(), **kwargs)
+        if not hasattr(self, "groups"):
+            raise ValueError("fxpar: Config(zero=1) reduce-scatters the gradients inside step(): parallelize with a "
+                             "loss_fn and a mesh, and train with pm.step(...)")
+        from fxpar.zero import DistributedOptimizer
+
+        self.__dict__["_zero"] = DistributedOptimizer(self, optimizer_cls, **kwargs)
+        return self._zero
+
     def check_replicas(self, grads: bool = False) -> None:
         """Raise fxpar.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""
         check_replicas(self, grads)

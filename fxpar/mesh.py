@@ -25,6 +25,9 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int = 1) -> DeviceMesh:
                 "torch.distributed.init_process_group first."
             )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":  # each rank on its own GPU of the node, as torchrun numbers them
+            local = os.environ.get("LOCAL_RANK", int(os.environ["RANK"]) % torch.cuda.device_count())
+            torch.cuda.set_device(int(local))
         dist.init_process_group(backend, timeout=DEFAULT_TIMEOUT)
     world = dist.get_world_size()
     if pp * dp * tp != world:

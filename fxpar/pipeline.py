@@ -175,10 +175,15 @@ class PipelineModule(ParallelModule):
     def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
         self.stats = Stats()
         p2p = P2P(self.groups, stage.program.program, self.config.scatter_gather, self.stats)
-        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20)
+        zero = self.__dict__.get("_zero")
+        if self.config.zero and zero is None:
+            raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
+                             "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
+                             "...) before the first step.")
+        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, zero)
         loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats).run(micro, targets)
         for key, group in self._tied.items():
-            grad = self._live[key].grad
+            grad = self._live[key].grad if zero is None else zero.main[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=group)
         loss = loss.clone()

@@ -116,10 +116,12 @@ def _wait(work, action, peer: int) -> None:
 
 
 class GradBuckets:
-    """Data-parallel gradient all-reduce in buckets, launched as soon as their gradients are final."""
+    """Data-parallel gradient all-reduce in buckets, launched as soon as their gradients are final. With the
+    distributed optimizer (`zero`, fxpar/zero.py) a bucket is reduce-scattered instead: each dp rank receives the
+    pieces of the gradients it owns ([Note: pieces] in fxpar/zero.py)."""
 
-    def __init__(self, params_of_chunk: dict[int, list], groups: Groups, bucket_bytes: float):
-        self.g, self.cap = groups, bucket_bytes
+    def __init__(self, params_of_chunk: dict[int, list], groups: Groups, bucket_bytes: float, zero=None):
+        self.g, self.cap, self.zero = groups, bucket_bytes, zero
         self.params_of_chunk = params_of_chunk
         self.uses = {}
         for ps in params_of_chunk.values():
@@ -132,7 +134,7 @@ class GradBuckets:
 
     def chunk_done(self, chunk: int) -> None:
         """Called after a chunk's last-microbatch backward: its parameters may now be final."""
-        if self.g.dp == 1:
+        if self.g.dp == 1 and self.zero is None:
             return
         for p in self.params_of_chunk[chunk]:
             self.left[p] -= 1
@@ -143,17 +145,29 @@ class GradBuckets:
                     self._launch()
 
     def _launch(self) -> None:
-        if self.bucket:
+        if not self.bucket:
+            return
+        if self.zero is not None:
+            flat = self.zero.layout(self.bucket)
+            mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
+            work = None if self.g.dp == 1 else \
+                dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)
+            self.launched.append((work, mine, self.bucket))
+        else:
             flat = torch.cat([p.grad.reshape(-1) for p in self.bucket])
             self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, self.bucket))
-            self.bucket, self.size = [], 0
+        self.bucket, self.size = [], 0
 
     def finish(self) -> None:
-        if self.g.dp == 1:
+        if self.g.dp == 1 and self.zero is None:
             return
         self._launch()
         for work, flat, params in self.launched:
-            work.wait()
+            if work is not None:
+                work.wait()
+            if self.zero is not None:
+                self.zero.receive(params, flat)
+                continue
             flat /= self.g.dp
             offset = 0
             for p in params:

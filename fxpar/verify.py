@@ -84,7 +84,8 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
         if err > tol:
             first, detail = len(order), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"
     if comm.size > 1 and not comm.simulated:
-        t = torch.tensor([first])
+        device = next((x.device for x in flat if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        t = torch.tensor([first], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=comm.group)
         if t.item() < first:
             first = t.item()

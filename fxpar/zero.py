@@ -1,0 +1,130 @@
+"""The optimizer of a parallelized model: plain, or Megatron's distributed optimizer (ZeRO-1) over the dp group.
+
+`pm.optimizer(torch.optim.AdamW, lr=...)` wraps any torch.optim class. Without `Config(zero=1)` it is that class
+over the rank's own parameters. With it, each data-parallel rank owns 1/d of every parameter:
+
+    gradients   reduce-scattered over dp in the step's buckets (the rank receives the mean of its pieces only), as
+                soon as a bucket is final, overlapped with the rest of the backward (fxpar/runtime.py GradBuckets)
+    main        the rank's pieces, fp32 copies, are the tensors in the optimizer's param_groups: it steps 1/d of the
+                parameters and keeps 1/d of the optimizer state (Adam's moments: 8 bytes/param become 8/d)
+    parameters  after the optimizer's step, the updated pieces are all-gathered over dp, one collective per step
+
+[Note: pieces]
+    Parameter p (n elements, flattened) is cut into d pieces of ceil(n/d) elements, the last one padded: dp rank r
+    owns piece r. Every dp rank cuts alike (the same stage and tp rank hold the same shapes), so a bucket laid out
+    rank-major (piece 0 of each of its parameters, then piece 1, ...) is reduce-scattered into exactly the pieces
+    each rank owns, and one all-gather of every rank's pieces rebuilds the parameters. Exact: a piece's gradient is
+    the dp mean the all-reduce would give, and elementwise optimizers (SGD, Adam, AdamW, ...) step each element from
+    its own gradient and state. Optimizers that couple elements across a tensor (LAMB's or LARS's per-tensor norms,
+    Adafactor's factored moments) would see pieces, not tensors: they are refused.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Adadelta", "NAdam", "RAdam", "ASGD", "Rprop")
+
+
+def piece_size(n: int, d: int) -> int:
+    return math.ceil(n / d) if n else 0
+
+
+def pieces(flat: torch.Tensor, d: int) -> list[torch.Tensor]:
+    """The d pieces of a flat tensor ([Note: pieces]), the last padded with zeros."""
+    size = piece_size(flat.numel(), d)
+    padded = torch.nn.functional.pad(flat, (0, size * d - flat.numel()))
+    return list(padded.view(d, size).unbind(0)) if size else [flat.new_zeros(0)] * d
+
+
+class DistributedOptimizer:
+    """Megatron's distributed optimizer over `pm`'s dp group (see the module docstring); use it like the torch
+    optimizer it wraps: zero_grad(), then pm.step(...), optionally pm.clip_grad_norm_(...), then step()."""
+
+    def __init__(self, pm, optimizer_cls, **kwargs):
+        if optimizer_cls.__name__ not in ELEMENTWISE:
+            raise ValueError(
+                f"fxpar: Config(zero=1) steps each rank's 1/d pieces of the parameters, which is exact only for "
+                f"elementwise optimizers ({', '.join(ELEMENTWISE)}); {optimizer_cls.__name__} is not one of them. "
+                "Fix: use one of those, or Config(zero=0)."
+            )
+        g = pm.groups
+        self.pm, self.d, self.r, self.group = pm, g.dp, g.dp_rank, g.dp_group
+        self.params = {k: p for k, p in pm.held().items() if isinstance(p, torch.nn.Parameter) and p.requires_grad}
+        self.main = {k: torch.nn.Parameter(pieces(p.detach().reshape(-1).float(), self.d)[self.r].clone())
+                     for k, p in self.params.items()}
+        self.optimizer = optimizer_cls(list(self.main.values()), **kwargs)
+        self._key_of = {p: k for k, p in self.params.items()}
+
+    # ---- what the step's buckets call ([Note: pieces]) ---------------------------------------------------------
+    def layout(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The rank-major flat gradient of a bucket of parameters, to reduce-scatter."""
+        cut = [pieces(p.grad.reshape(-1), self.d) for p in params]
+        return torch.cat([c[q] for q in range(self.d) for c in cut])
+
+    def receive(self, params: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """This rank's reduce-scattered pieces of a bucket (sums over dp): their mean joins the main gradients, and
+        the parameters' local gradients are freed."""
+        offset = 0
+        for p in params:
+            main = self.main[self._key_of[p]]
+            n = main.numel()
+            piece = mine[offset:offset + n].to(main.dtype) / self.d
+            main.grad = piece if main.grad is None else main.grad + piece
+            offset += n
+            p.grad = None
+
+    # ---- the torch.optim interface -----------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """key -> this rank's main gradient pieces (what clipping measures and scales)."""
+        return {k: m.grad for k, m in self.main.items() if m.grad is not None}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in [*self.params.values(), *self.main.values()]:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("fxpar: the distributed optimizer takes no closure (pm.step computes the loss)")
+        stray = [k for k, p in self.params.items() if p.grad is not None]
+        if stray:
+            raise RuntimeError(f"fxpar: {stray[0]} has a gradient that pm.step() did not reduce-scatter (a backward "
+                               "outside step()?). With Config(zero=1), compute gradients with pm.step().")
+        self.optimizer.step()
+        mine = torch.cat([m.detach().reshape(-1) for m in self.main.values()])
+        everyone = torch.empty(self.d * mine.numel(), dtype=mine.dtype, device=mine.device)
+        if self.d > 1:
+            dist.all_gather_single(everyone, mine, group=self.group)
+        else:
+            everyone.copy_(mine)
+        rows = everyone.view(self.d, -1)
+        offset = 0
+        for k, p in self.params.items():
+            n = self.main[k].numel()
+            p.copy_(rows[:, offset:offset + n].reshape(-1)[:p.numel()].view_as(p).to(p.dtype))
+            offset += n
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (the moments; step counters included)."""
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
