@@ -3,15 +3,19 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2 --vpp 1
     fxpar run --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2      (the same, through fxpar's wrapper)
 
-d is what is left: world size / (t * p).
+d is what is left: world size / (t * p). The loss is traced with the model (the vocab-parallel cross-entropy at
+t > 1: the logits are never gathered), the optimizer is AdamW through pm.optimizer (Megatron's distributed
+optimizer with --zero 1), and the gradients are clipped by their global norm (--clip).
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import os
+import resource
 import sys
 import sysconfig
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,8 @@ def parse(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1], help="1: optimizer state sharded over dp")
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
     p.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
     return p.parse_args(argv)
 
@@ -79,27 +85,38 @@ def main(argv=None):
     cfg = GPTConfig(vocab=256, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     model = GPT(cfg)
     example = torch.zeros(args.batch // (dp * m), args.seq, dtype=torch.long)
-    config = fxpar.Config(microbatches=m, virtual_stages=args.vpp, schedule=schedule, trace_dir=args.trace_dir)
-    pm = fxpar.parallelize(model, mesh, example_args=(example,), loss_fn=loss_fn, config=config)
-    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    config = fxpar.Config(microbatches=m, virtual_stages=args.vpp, schedule=schedule, trace_dir=args.trace_dir,
+                          zero=args.zero)
+    pm = fxpar.parallelize(model, mesh, example_args=(example,), loss_fn=loss_fn, config=config,
+                           example_target=example)
+    opt = pm.optimizer(torch.optim.AdamW, lr=args.lr)
     data = batches(stdlib_bytes(), args.batch, args.seq, seed=0)
     rank0 = dist.get_rank() == 0
     if rank0:
-        print(f"training on {world} ranks: p={args.pp} t={args.tp} d={dp} v={args.vpp} m={m} {schedule}", flush=True)
+        print(f"training on {world} ranks: p={args.pp} t={args.tp} d={dp} v={args.vpp} m={m} {schedule} "
+              f"zero={args.zero}; logits: {pm.plan.logits or 'not sharded (t=1)'}", flush=True)
     bar = range(args.steps)
     if rank0:
         from tqdm import tqdm
 
         bar = tqdm(bar, desc="train", file=sys.stdout, mininterval=1.0)
+    start = time.perf_counter()
     for step in bar:
         x, y = next(data)
         opt.zero_grad()
         loss = pm.step(x, target=y)
+        norm = pm.clip_grad_norm_(args.clip) if args.clip else torch.zeros(())
         opt.step()
         if rank0:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            rate = (step + 1) * args.batch * args.seq / (time.perf_counter() - start)
+            bar.set_postfix(loss=f"{loss.item():.4f}", norm=f"{norm.item():.2f}", tok_s=f"{rate:.0f}")
             if step % 10 == 0 or step == args.steps - 1:
                 bar.write(f"step {step:4d}  loss {loss.item():.4f}")
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10])  # MiB (Linux: KiB)
+    peaks = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(peaks, peak)
+    if rank0:
+        print("peak memory per rank (MiB): " + ", ".join(f"{p.item():.0f}" for p in peaks), flush=True)
     dist.destroy_process_group()
 
 
