@@ -5,7 +5,8 @@
 
 d is what is left: world size / (t * p). The loss is traced with the model (the vocab-parallel cross-entropy at
 t > 1: the logits are never gathered), the optimizer is AdamW through pm.optimizer (Megatron's distributed
-optimizer with --zero 1), and the gradients are clipped by their global norm (--clip).
+optimizer with --zero 1), the gradients are clipped by their global norm (--clip), and the model computes in bf16
+with fp32 main parameters and gradients (--precision).
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--zero", type=int, default=1, choices=[0, 1], help="1: optimizer state sharded over dp")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="bf16/fp16: mixed precision with fp32 main parameters and gradients (fp16 with loss scaling)")
     p.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
     return p.parse_args(argv)
 
@@ -85,8 +88,10 @@ def main(argv=None):
     cfg = GPTConfig(vocab=256, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     model = GPT(cfg)
     example = torch.zeros(args.batch // (dp * m), args.seq, dtype=torch.long)
+    mixed = {"bf16": fxpar.MixedPrecision(torch.bfloat16),
+             "fp16": fxpar.MixedPrecision(torch.float16, loss_scale="dynamic"), "fp32": None}[args.precision]
     config = fxpar.Config(microbatches=m, virtual_stages=args.vpp, schedule=schedule, trace_dir=args.trace_dir,
-                          zero=args.zero)
+                          zero=args.zero, mixed_precision=mixed)
     pm = fxpar.parallelize(model, mesh, example_args=(example,), loss_fn=loss_fn, config=config,
                            example_target=example)
     opt = pm.optimizer(torch.optim.AdamW, lr=args.lr)
@@ -94,7 +99,7 @@ def main(argv=None):
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"training on {world} ranks: p={args.pp} t={args.tp} d={dp} v={args.vpp} m={m} {schedule} "
-              f"zero={args.zero}; logits: {pm.plan.logits or 'not sharded (t=1)'}", flush=True)
+              f"zero={args.zero} {args.precision}; logits: {pm.plan.logits or 'not sharded (t=1)'}", flush=True)
     bar = range(args.steps)
     if rank0:
         from tqdm import tqdm

@@ -32,6 +32,8 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     example_target: one microbatch's target; with a loss_fn, the loss is traced with the model now (else at the first
     step, from its target: [Note: the loss is traced] in fxpar/trace.py)."""
     config = config or Config()
+    if config.mixed_precision is not None:  # in place, as Megatron's Float16Module ([Note: mixed precision])
+        model.to(config.mixed_precision.param_dtype)
     pipelined = loss_fn is not None or pp > 1
     pp = mesh.size(0) if mesh is not None else pp
     streams = _streams(config, comm, mesh, example_args)

@@ -97,7 +97,8 @@ class Compiled:
 
 # ---------------------------------------------------------------------------------------------------- the stages
 def _trace(c: Compiled) -> Traced:
-    return trace(c.model, c.example_args, c.example_kwargs, c.loss)
+    mp = c.config.mixed_precision
+    return trace(c.model, c.example_args, c.example_kwargs, c.loss, mp.param_dtype if mp is not None else None)
 
 
 def _canonicalize(c: Compiled) -> GraphModule:

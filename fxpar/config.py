@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.pipeline import SCHEDULES, check_schedule
+from fxpar.precision import MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Config:
     seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
     check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)
     zero: int = 0  # 1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/zero.py); 0: plain
+    mixed_precision: MixedPrecision | None = None  # low-precision compute, fp32 main grads/params (fxpar/precision.py)
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -42,5 +44,8 @@ class Config:
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"Config.zero must be 0 (a plain optimizer) or 1 (optimizer state sharded over dp), got "
                              f"{self.zero!r}")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise ValueError(f"Config.mixed_precision must be an fxpar.MixedPrecision or None, got "
+                             f"{self.mixed_precision!r}")
         if not isinstance(self.check_replicas_every, int) or self.check_replicas_every < 0:
             raise ValueError(f"Config.check_replicas_every must be an int >= 0, got {self.check_replicas_every!r}")

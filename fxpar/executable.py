@@ -17,10 +17,12 @@ import torch.utils._pytree as pytree
 from fxpar.clip import clip_grad_norm_
 from fxpar.compiler import Compiled, canonical_keys
 from fxpar.guard import preserve_global_state
+from fxpar.optim import MainParamsOptimizer, trainable
 from fxpar.passes.meta import resolve_inputs
 from fxpar.passes.ops import TPComm
 from fxpar.passes.placements import local_shard, unshard
 from fxpar.passes.plan import Plan, WeightShard, make_plan
+from fxpar.precision import Grads, LossScaler
 from fxpar.programs import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
 from fxpar.weights import LiveState, check_state, expected_state, load_full_or_local
@@ -70,6 +72,11 @@ class ParallelModule(nn.Module):
         self._live = LiveState(self._slots)
         self.train(model.training)
         self.__dict__["replica_groups"] = _replica_groups(mesh)
+        mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/precision.py
+        self.__dict__["_grads"] = Grads(list(trainable(self).values()), main=mp is not None)
+        if mp is not None and mp.loss_scale is not None:
+            device = next((t.device for t in self.held().values()), torch.device("cpu"))
+            self.__dict__["_scaler"] = LossScaler(mp.loss_scale, device)
         self.plan: Plan | None = None
         self.__dict__["_planned"] = compiled  # the program pm.plan describes
 
@@ -163,10 +170,14 @@ class ParallelModule(nn.Module):
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def optimizer(self, optimizer_cls, **kwargs):
-        """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with Config(zero=1),
-        Megatron's distributed optimizer over the dp group (fxpar/zero.py). Make it before the first step()."""
-        if not self._programs.first.config.zero:
-            return optimizer_cls(self.parameters(), **kwargs)
+        """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with mixed
+        precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
+        group (fxpar/optim.py, fxpar/zero.py). Make it before the first step()."""
+        config = self._programs.first.config
+        if not config.zero:
+            if config.mixed_precision is None:
+                return optimizer_cls(self.parameters(), **kwargs)
+            return MainParamsOptimizer(self, optimizer_cls, **kwargs)
         if not hasattr(self, "groups"):
             raise ValueError("fxpar: Config(zero=1) reduce-scatters the gradients inside step(): parallelize with a "
                              "loss_fn and a mesh, and train with pm.step(...)")

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from fxpar.executable import ParallelModule
 from fxpar.guard import preserve_global_state
+from fxpar.optim import trainable
 from fxpar.passes.meta import PARAMETER
 from fxpar.programs import describe_mismatch
 from fxpar.runtime import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
@@ -180,12 +181,19 @@ class PipelineModule(ParallelModule):
             raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
                              "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
                              "...) before the first step.")
-        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, zero)
-        loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats).run(micro, targets)
+        mp, scaler = self.config.mixed_precision, self.__dict__.get("_scaler")
+        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self._grads,
+                              zero, mp.reduce_dtype if mp is not None else None)
+        loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
+                       scaler.scale if scaler is not None else None).run(micro, targets)
         for key, group in self._tied.items():
-            grad = self._live[key].grad if zero is None else zero.main[key].grad
+            grad = self._grads.get(self._live[key]) if zero is None else zero.main[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=group)
+        if scaler is not None:  # unscale the main gradients; an overflow anywhere skips the optimizer's step
+            grads = zero.grads().values() if zero is not None else \
+                [self._grads.get(p) for p in trainable(self).values()]
+            scaler.unscale([g for g in grads if g is not None])
         loss = loss.clone()
         if self.groups.pp > 1:
             dist.all_reduce(loss, group=self.groups.pp_group)  # only the last stage's is non-zero

@@ -62,7 +62,7 @@ def check_replicas(pm, grads: bool = False) -> None:
     """Raise ReplicaError unless every replicated weight (and, with grads, its gradient) is bitwise identical on
     every rank that holds a replica of it. A collective over the tp and dp groups and the tied-weight groups."""
     held = pm.held()
-    checks = [("weight", held)] + ([("gradient of", _grads(held))] if grads else [])
+    checks = [("weight", held)] + ([("gradient of", _grads(held, pm._grads))] if grads else [])
     for kind, tensors in checks:
         replicated = [(k, t) for k, t in tensors.items() if k not in pm.specs]
         _compare(replicated, pm.replica_groups.get("tp"), kind)
@@ -72,6 +72,8 @@ def check_replicas(pm, grads: bool = False) -> None:
                 _compare([(key, tensors[key])], group, kind)
 
 
-def _grads(held: dict) -> dict:
-    """Every held parameter's gradient (zeros where there is none, so that every rank compares the same list)."""
-    return {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in held.items() if t.requires_grad}
+def _grads(held: dict, grads) -> dict:
+    """Every held parameter's gradient (zeros where there is none, so that every rank compares the same list);
+    `grads` finds it (fxpar/precision.py Grads)."""
+    return {k: grads.get(t) if grads.get(t) is not None else torch.zeros_like(t) for k, t in held.items()
+            if t.requires_grad}

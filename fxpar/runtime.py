@@ -118,10 +118,12 @@ def _wait(work, action, peer: int) -> None:
 class GradBuckets:
     """Data-parallel gradient all-reduce in buckets, launched as soon as their gradients are final. With the
     distributed optimizer (`zero`, fxpar/zero.py) a bucket is reduce-scattered instead: each dp rank receives the
-    pieces of the gradients it owns ([Note: pieces] in fxpar/zero.py)."""
+    pieces of the gradients it owns ([Note: pieces] in fxpar/zero.py). The gradients are read and written through
+    `grads` (fxpar/precision.py Grads: the main gradients under mixed precision), reduced in `reduce_dtype`."""
 
-    def __init__(self, params_of_chunk: dict[int, list], groups: Groups, bucket_bytes: float, zero=None):
-        self.g, self.cap, self.zero = groups, bucket_bytes, zero
+    def __init__(self, params_of_chunk: dict[int, list], groups: Groups, bucket_bytes: float, grads, zero=None,
+                 reduce_dtype: torch.dtype | None = None):
+        self.g, self.cap, self.grads, self.zero, self.dtype = groups, bucket_bytes, grads, zero, reduce_dtype
         self.params_of_chunk = params_of_chunk
         self.uses = {}
         for ps in params_of_chunk.values():
@@ -138,9 +140,10 @@ class GradBuckets:
             return
         for p in self.params_of_chunk[chunk]:
             self.left[p] -= 1
-            if self.left[p] == 0 and p.grad is not None:
+            grad = self.grads.get(p)
+            if self.left[p] == 0 and grad is not None:
                 self.bucket.append(p)
-                self.size += p.grad.numel() * p.grad.element_size()
+                self.size += grad.numel() * grad.element_size()
                 if self.size >= self.cap:
                     self._launch()
 
@@ -148,13 +151,14 @@ class GradBuckets:
         if not self.bucket:
             return
         if self.zero is not None:
-            flat = self.zero.layout(self.bucket)
+            flat = self.zero.layout(self.bucket).to(self.dtype or torch.float32)
             mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
             work = None if self.g.dp == 1 else \
                 dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)
             self.launched.append((work, mine, self.bucket))
         else:
-            flat = torch.cat([p.grad.reshape(-1) for p in self.bucket])
+            flat = torch.cat([self.grads.get(p).reshape(-1) for p in self.bucket])
+            flat = flat.to(self.dtype or flat.dtype)
             self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, self.bucket))
         self.bucket, self.size = [], 0
 
@@ -171,8 +175,9 @@ class GradBuckets:
             flat /= self.g.dp
             offset = 0
             for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                grad = self.grads.get(p)
+                n = grad.numel()
+                grad.copy_(flat[offset : offset + n].view_as(grad))
                 offset += n
         self.reset()
 
@@ -180,9 +185,11 @@ class GradBuckets:
 class Runtime:
     """Runs a lowered schedule for one pipeline rank; see the module docstring."""
 
-    def __init__(self, stage, program: Program, groups: Groups, p2p: P2P, buckets: GradBuckets, stats: Stats):
+    def __init__(self, stage, program: Program, groups: Groups, p2p: P2P, buckets: GradBuckets, stats: Stats,
+                 loss_scale: torch.Tensor | None = None):
         self.stage, self.actions, self.g = stage, program.actions[groups.pp_rank], groups
         self.p2p, self.buckets, self.stats = p2p, buckets, stats
+        self.loss_scale = loss_scale  # fp16: the backward starts from the loss times this ([Note: mixed precision])
         self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.post_receive,
                          SEND_B: self.send_backward, RECV_B: self.post_receive}
 
@@ -225,7 +232,7 @@ class Runtime:
         if not chunk.boundary_out:  # the last chunk: its output is the model's output
             loss = self.stage.loss(outs, self.targets[a.microbatch]) / self.m
             self.loss = self.loss + loss.detach()
-            outs = [loss]
+            outs = [loss if self.loss_scale is None else loss * self.loss_scale]
         elif rank_of_chunk(a.chunk + 1, self.g.pp) == self.g.pp_rank:
             self.handoff[(F, a.chunk, a.chunk + 1, a.microbatch)] = outs
         self.saved[(a.chunk, a.microbatch)] = (received, outs)

@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 from fxpar.guard import backward_hooks, preserve_global_state, watch_trace
 from fxpar.passes.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput,
                                module_path, resolve_inputs)
+from fxpar.precision import cast_inputs, cast_outputs
 
 
 class TraceError(RuntimeError):
@@ -110,20 +111,23 @@ def _refuse_data_dependent(name: str, gm: torch.fx.GraphModule) -> None:
             )
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, loss: tuple | None = None) -> Traced:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, loss: tuple | None = None,
+          compute_dtype: torch.dtype | None = None) -> Traced:
     """Export `model` on (args, kwargs); raises TraceError with export's own reason if it cannot be traced.
 
     loss: (loss_fn, example_target): trace loss_fn(model(*args, **kwargs), target) as one program ([Note: the loss
-    is traced]); if that cannot be traced but the model can, the trace is the model's and `loss_note` says why."""
+    is traced]); if that cannot be traced but the model can, the trace is the model's and `loss_note` says why.
+    compute_dtype: mixed precision ([Note: mixed precision] in fxpar/precision.py): the model's floating inputs are
+    cast to it and its floating outputs to fp32, inside the program."""
     if loss is None:
-        return _trace(model, args, kwargs)
+        return _trace(model, args, kwargs, compute_dtype=compute_dtype)
     loss_fn, target = loss
     try:
-        traced = _trace(model, (*args, target), kwargs, loss_fn)
+        traced = _trace(model, (*args, target), kwargs, loss_fn, compute_dtype)
         _check_scalar(traced)
         return traced
     except TraceError as e:
-        traced = _trace(model, args, kwargs)  # raises the model's own error if the model cannot be traced either
+        traced = _trace(model, args, kwargs, compute_dtype=compute_dtype)  # the model's own error if it cannot either
         lines = str(e).splitlines()
         reason = lines[1].strip() if len(lines) > 1 and "export said" in lines[0] else lines[0]
         traced.loss_note = f"loss_fn is called on the gathered output, not traced with the model: {reason}"
@@ -138,18 +142,25 @@ def _check_scalar(traced: Traced) -> None:
         raise TraceError(f"loss_fn does not return one floating-point scalar tensor (it returns {traced.out_spec})")
 
 
-def _with_loss(model: torch.nn.Module, loss_fn):
-    """model.forward for the trace of loss_fn(model(*args), target): the target is the last positional argument."""
+def _program(model: torch.nn.Module, loss_fn, compute_dtype):
+    """model.forward for the trace of loss_fn(model(*args), target) (the target is the last positional argument)
+    and/or of the model in mixed precision (inputs cast to compute_dtype, outputs to fp32)."""
     forward = type(model).forward
 
-    def forward_with_loss(self, *args, **kwargs):
-        *inputs, target = args
-        return loss_fn(forward(self, *inputs, **kwargs), target)
+    def program(self, *args, **kwargs):
+        if loss_fn is not None:
+            *args, target = args
+        if compute_dtype is not None:
+            args, kwargs = cast_inputs((args, kwargs), compute_dtype)
+        out = forward(self, *args, **kwargs)
+        if compute_dtype is not None:
+            out = cast_outputs(out)
+        return out if loss_fn is None else loss_fn(out, target)
 
-    return types.MethodType(forward_with_loss, model)
+    return types.MethodType(program, model)
 
 
-def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_fn=None) -> Traced:
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_fn=None, compute_dtype=None) -> Traced:
     kwargs = kwargs or {}
     name = type(model).__name__
     hooked = backward_hooks(model)
@@ -158,12 +169,13 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_fn=Non
                          "remove them before fxpar.parallelize (gradients would silently differ).")
     try:
         with preserve_global_state(), watch_trace() as dropped:
-            if loss_fn is not None:
-                model.forward = _with_loss(model, loss_fn)  # an instance attribute, deleted right after
+            patched = loss_fn is not None or compute_dtype is not None
+            if patched:
+                model.forward = _program(model, loss_fn, compute_dtype)  # an instance attribute, deleted right after
             try:
                 ep = torch.export.export(model, tuple(args), kwargs, strict=False)
             finally:
-                if loss_fn is not None:
+                if patched:
                     del model.forward
     except Exception as e:  # export raises many types; show its reason whole
         raise TraceError(

@@ -25,6 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from fxpar.optim import WrappedOptimizer, trainable
+
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Adadelta", "NAdam", "RAdam", "ASGD", "Rprop")
 
 
@@ -39,7 +41,7 @@ def pieces(flat: torch.Tensor, d: int) -> list[torch.Tensor]:
     return list(padded.view(d, size).unbind(0)) if size else [flat.new_zeros(0)] * d
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(WrappedOptimizer):
     """Megatron's distributed optimizer over `pm`'s dp group (see the module docstring); use it like the torch
     optimizer it wraps: zero_grad(), then pm.step(...), optionally pm.clip_grad_norm_(...), then step()."""
 
@@ -51,17 +53,18 @@ class DistributedOptimizer:
                 "Fix: use one of those, or Config(zero=0)."
             )
         g = pm.groups
-        self.pm, self.d, self.r, self.group = pm, g.dp, g.dp_rank, g.dp_group
-        self.params = {k: p for k, p in pm.held().items() if isinstance(p, torch.nn.Parameter) and p.requires_grad}
+        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm._grads
         self.main = {k: torch.nn.Parameter(pieces(p.detach().reshape(-1).float(), self.d)[self.r].clone())
-                     for k, p in self.params.items()}
-        self.optimizer = optimizer_cls(list(self.main.values()), **kwargs)
+                     for k, p in trainable(pm).items()}
+        super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
         self._key_of = {p: k for k, p in self.params.items()}
+        dtypes = {p.dtype for p in self.params.values()}
+        self._gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # bf16 parameters: gather bf16
 
     # ---- what the step's buckets call ([Note: pieces]) ---------------------------------------------------------
     def layout(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The rank-major flat gradient of a bucket of parameters, to reduce-scatter."""
-        cut = [pieces(p.grad.reshape(-1), self.d) for p in params]
+        cut = [pieces(self.grads_of.get(p).reshape(-1), self.d) for p in params]
         return torch.cat([c[q] for q in range(self.d) for c in cut])
 
     def receive(self, params: list[torch.Tensor], mine: torch.Tensor) -> None:
@@ -74,38 +77,30 @@ class DistributedOptimizer:
             piece = mine[offset:offset + n].to(main.dtype) / self.d
             main.grad = piece if main.grad is None else main.grad + piece
             offset += n
-            p.grad = None
+            self.grads_of.set(p, None)
 
     # ---- the torch.optim interface -----------------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
     def grads(self) -> dict[str, torch.Tensor]:
         """key -> this rank's main gradient pieces (what clipping measures and scales)."""
         return {k: m.grad for k, m in self.main.items() if m.grad is not None}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in [*self.params.values(), *self.main.values()]:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        for p in self.params.values():
+            self.grads_of.set(p, None)
+        self.optimizer.zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("fxpar: the distributed optimizer takes no closure (pm.step computes the loss)")
-        stray = [k for k, p in self.params.items() if p.grad is not None]
+        stray = [k for k, p in self.params.items() if self.grads_of.get(p) is not None]
         if stray:
             raise RuntimeError(f"fxpar: {stray[0]} has a gradient that pm.step() did not reduce-scatter (a backward "
                                "outside step()?). With Config(zero=1), compute gradients with pm.step().")
+        if self._skip():
+            return
         self.optimizer.step()
-        mine = torch.cat([m.detach().reshape(-1) for m in self.main.values()])
+        mine = torch.cat([m.detach().reshape(-1) for m in self.main.values()]).to(self._gather_dtype)
         everyone = torch.empty(self.d * mine.numel(), dtype=mine.dtype, device=mine.device)
         if self.d > 1:
             dist.all_gather_single(everyone, mine, group=self.group)
@@ -117,14 +112,3 @@ class DistributedOptimizer:
             n = self.main[k].numel()
             p.copy_(rows[:, offset:offset + n].reshape(-1)[:p.numel()].view_as(p).to(p.dtype))
             offset += n
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (the moments; step counters included)."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)

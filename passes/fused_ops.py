@@ -21,6 +21,13 @@ import torch
 aten = torch.ops.aten
 
 
+def _autocast_of(x: torch.Tensor) -> dict:
+    """The autocast state a forward ran under, for its backward (autograd runs backward outside autocast; eager
+    autocast's own backward sees the dtypes the forward's casts made, and so must a fused backward)."""
+    device = x.device.type
+    return dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
+
+
 def _sum_to_bias(grad: torch.Tensor) -> torch.Tensor:
     """The gradient of a bias broadcast along the last dim: sum over every leading dim."""
     return grad.reshape(-1, grad.shape[-1]).sum(0)
@@ -29,14 +36,15 @@ def _sum_to_bias(grad: torch.Tensor) -> torch.Tensor:
 class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias, approximate):
-        ctx.approximate = approximate
+        ctx.approximate, ctx.autocast = approximate, _autocast_of(y)
         ctx.save_for_backward(y, bias)
         return aten.gelu(y + bias, approximate=approximate)
 
     @staticmethod
     def backward(ctx, grad):
         y, bias = ctx.saved_tensors
-        grad_x = aten.gelu_backward(grad, y + bias, approximate=ctx.approximate)
+        with torch.autocast(**ctx.autocast):
+            grad_x = aten.gelu_backward(grad, y + bias, approximate=ctx.approximate)
         return grad_x, _sum_to_bias(grad_x) if ctx.needs_input_grad[1] else None, None
 
 
@@ -58,12 +66,18 @@ class _BiasGeLULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias, weight, out_bias, approximate, flat_shape, layout):
         ctx.approximate, ctx.flat_shape, ctx.layout = approximate, flat_shape, layout
+        ctx.autocast = _autocast_of(y)
         ctx.save_for_backward(y, bias, weight)
         h = aten.gelu(y + bias, approximate=approximate)  # not saved: backward recomputes it
         return _second_gemm(h, weight, out_bias, flat_shape, layout)
 
     @staticmethod
     def backward(ctx, grad):
+        with torch.autocast(**ctx.autocast):
+            return _BiasGeLULinear._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         y, bias, weight = ctx.saved_tensors
         x = y + bias
         h = aten.gelu(x, approximate=ctx.approximate)
@@ -77,7 +91,7 @@ class _BiasGeLULinear(torch.autograd.Function):
             grad_h = g2.mm(weight.t())
             grad_w = h2.t().mm(g2) if need[2] else None
         grad_out_bias = g2.sum(0) if need[3] else None
-        grad_x = aten.gelu_backward(grad_h.view(x.shape), x, approximate=ctx.approximate)
+        grad_x = aten.gelu_backward(grad_h.view(x.shape).to(x.dtype), x, approximate=ctx.approximate)
         grad_b = _sum_to_bias(grad_x) if need[1] else None
         return grad_x, grad_b, grad_w, grad_out_bias, None, None, None
 
