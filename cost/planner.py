@@ -48,6 +48,8 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     scatter_gather: bool = True
     paper_rule: bool = True
+    precision: str = ""  # memory.PRECISIONS, "" for the cluster's default
+    zero: tuple[int, ...] = (0,)  # distributed optimizer settings searched (zero=1 only where d > 1)
 
     def __post_init__(self):
         for name in ("tp", "pp", "microbatch", "vpp", "max_tp", "max_vpp", "max_microbatch"):
@@ -58,6 +60,9 @@ class SearchSpace:
             raise ValueError("SearchSpace.recompute needs at least one mode")
         for mode in self.recompute:
             check_recompute(mode)
+        if not self.zero or any(z not in (0, 1) for z in self.zero):
+            raise ValueError(f"SearchSpace.zero must be a non-empty tuple of 0 and 1, got {self.zero!r}")
+        ParallelConfig(tp=1, precision=self.precision)  # validates the precision
 
 
 @dataclass(frozen=True)
@@ -126,14 +131,16 @@ def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpa
                     continue
                 m = per_pipeline // b
                 for v in [space.vpp] if space.vpp else (range(1, space.max_vpp + 1) if p > 1 else [1]):
-                    base = dict(tp=t, pp=p, dp=d, microbatch=b, vpp=v, scatter_gather=space.scatter_gather)
+                    base = dict(tp=t, pp=p, dp=d, microbatch=b, vpp=v, scatter_gather=space.scatter_gather,
+                                precision=space.precision)
                     if shape.layers < p * v:
                         yield "layers", ParallelConfig(**base)
                     elif v > 1 and m % p:
                         yield "interleave", ParallelConfig(**base)
                     else:
                         for mode in space.recompute:
-                            yield None, ParallelConfig(**base, recompute=mode)
+                            for zero in sorted({z for z in space.zero if z == 0 or d > 1}) or [0]:
+                                yield None, ParallelConfig(**base, recompute=mode, zero=zero)
 
 
 def plan(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpace = SearchSpace()) -> PlanResult:

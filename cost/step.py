@@ -30,7 +30,8 @@ from .cluster import Cluster
 from .comm import allreduce_seconds, p2p_seconds, pp_boundary_elements, ring_seconds
 from .compute import head_seconds, layer_seconds
 from .flops import check_recompute, flops_per_iteration
-from .memory import MemoryBreakdown, memory_per_gpu, stage_parameters, state_bytes_per_param
+from .memory import (PRECISIONS, MemoryBreakdown, default_precision, memory_per_gpu, stage_parameters,
+                     state_bytes_per_param)
 from .pipeline import bubble_fraction, check_schedule, default_schedule, split_layers
 from .shape import ModelShape
 
@@ -46,7 +47,10 @@ def nearby_divisors(n: int, around: int, count: int = 2) -> list[int]:
 class ParallelConfig:
     """One point (t, p, d, b, v) of the search space, plus the recomputation mode and schedule.
 
-    schedule "" means 1f1b for v = 1 and interleaved-1f1b for v > 1.
+    schedule "" means 1f1b for v = 1 and interleaved-1f1b for v > 1. precision (one of memory.PRECISIONS, ""
+    for the cluster's default), zero (1: the distributed optimizer) and vocab_parallel_loss change the memory of
+    the model states and the logits (cost/memory.py) and the optimizer step's time; with zero=1 the gradients
+    are reduce-scattered and the parameters all-gathered, the bytes and ring steps of the all-reduce they replace.
     """
 
     tp: int
@@ -57,8 +61,15 @@ class ParallelConfig:
     recompute: str = "full"
     schedule: str = ""
     scatter_gather: bool = True
+    precision: str = ""
+    zero: int = 0
+    vocab_parallel_loss: bool = True
 
     def __post_init__(self):
+        if self.precision and self.precision not in PRECISIONS:
+            raise ValueError(f"ParallelConfig.precision must be one of {PRECISIONS} or '', got {self.precision!r}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"ParallelConfig.zero must be 0 or 1, got {self.zero!r}")
         for name in ("tp", "pp", "dp", "microbatch", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -77,7 +88,7 @@ class ParallelConfig:
     def describe(self) -> str:
         """'t=8 p=16 d=15 b=1 v=3 interleaved-1f1b recompute=full'."""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.microbatch} v={self.vpp} {self.schedule} "
-                f"recompute={self.recompute}")
+                f"recompute={self.recompute}" + (" zero=1" if self.zero else ""))
 
 
 def check_config(shape: ModelShape, config: ParallelConfig) -> int:
@@ -119,6 +130,7 @@ class StepEstimate:
     bubble: float
     stage_layers: tuple[int, ...]
     parts: dict = field(default_factory=dict, compare=False)
+    precision: str = ""  # the one memory was counted with (the config's, or the cluster's default)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -140,6 +152,7 @@ class StepEstimate:
         c = self.config
         return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "microbatch": c.microbatch, "vpp": c.vpp,
                 "schedule": c.schedule, "recompute": c.recompute, "scatter_gather": c.scatter_gather,
+                "precision": self.precision, "zero": c.zero, "vocab_parallel_loss": c.vocab_parallel_loss,
                 "gpus": c.gpus, "cluster": self.cluster, "microbatches": self.microbatches,
                 "tflops_per_gpu": self.tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
                 "seconds_per_iteration": self.seconds, "memory_gib_per_gpu": self.memory.gib,
@@ -159,9 +172,10 @@ def _placement(config: ParallelConfig, gpn: int) -> tuple[int, int, bool]:
     return tp_per_node, dp_per_node, t * d * p > gpn
 
 
-def optimizer_seconds(params: float, cluster: Cluster) -> float:
+def optimizer_seconds(params: float, cluster: Cluster, precision: str = "", zero: int = 0, d: int = 1) -> float:
     """Adam step on one GPU's `params` parameters: bandwidth-bound, every state read and written once."""
-    return params * 2 * state_bytes_per_param(cluster.dtype_bytes) / cluster.stream_bandwidth
+    per_param = state_bytes_per_param(precision or default_precision(cluster.dtype_bytes), zero, d)
+    return params * 2 * per_param / cluster.stream_bandwidth
 
 
 def stage_microbatch_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cluster) -> dict:
@@ -216,14 +230,16 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
              "dp_allreduce": allreduce_seconds(params * e, d, dp_per_node, cluster),
              "tied_embedding": (allreduce_seconds(shape.vocab * shape.hidden / t * e, 2, 1 if pipeline_inter
                                                   else 2, cluster) if p > 1 else 0.0),
-             "optimizer": optimizer_seconds(params, cluster),
+             "optimizer": optimizer_seconds(params, cluster, config.precision, config.zero, d),
              "sync_wait": cluster.sync_jitter * m * stage_compute if config.gpus > 1 else 0.0}
     memory = memory_per_gpu(shape, stages, t=t, b=b, m=m, v=v, schedule=config.schedule,
-                            recompute=config.recompute, cluster=cluster)
+                            recompute=config.recompute, cluster=cluster, precision=config.precision, zero=config.zero,
+                            d=d, vocab_parallel_loss=config.vocab_parallel_loss)
     return StepEstimate(shape=shape, config=config, cluster=cluster.name, seconds=sum(parts.values()),
                         flops=flops_per_iteration(shape, config.recompute), peak_flops=cluster.peak_flops,
                         memory=memory, memory_capacity=cluster.memory_bytes, microbatches=m, bubble=bubble,
-                        stage_layers=stages, parts=parts)
+                        stage_layers=stages, parts=parts,
+                        precision=config.precision or default_precision(cluster.dtype_bytes))
 
 
 def predict_step_seconds(shape: ModelShape, tp: int, pp: int, dp: int, microbatch: int, vpp: int = 1, *,

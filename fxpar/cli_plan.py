@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from fxpar.cost.cluster import DEFAULT_LOCAL_PATH, GIB, get_cluster
 from fxpar.cost.flops import RECOMPUTE_MODES, flops_per_iteration, parameters, training_days
+from fxpar.cost.memory import PRECISIONS
 from fxpar.cost.planner import PlanResult, SearchSpace, plan
 from fxpar.cost.shape import ModelShape
 
@@ -43,6 +44,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tp", type=int, default=0, help="largest t searched (default: GPUs per node)")
     p.add_argument("--no-scatter-gather", action="store_true", help="pipeline sends the full b s h")
     p.add_argument("--no-paper-rule", action="store_true", help="do not force t = GPUs per node for big models")
+    p.add_argument("--precision", choices=PRECISIONS, default="",
+                   help="model-state accounting: fxpar's bf16/fp16 (fp32 main grads), fp32, or the paper's fp16 "
+                        "recipe (default: paper on 2-byte clusters, fp32 on 4-byte ones)")
+    p.add_argument("--zero", choices=("0", "1", "auto"), default="0",
+                   help="distributed optimizer over dp: off, on, or searched (default 0, as in the paper)")
     p.add_argument("--tokens", type=float, help="training tokens: add the Eq. 4 training-time estimate")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the best configuration as one JSON object")
@@ -85,7 +91,8 @@ def run_plan(args) -> int:
         space = SearchSpace(tp=args.tp, pp=args.pp, microbatch=args.microbatch, vpp=args.vpp,
                             max_tp=args.max_tp, scatter_gather=not args.no_scatter_gather,
                             recompute=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
-                            paper_rule=not args.no_paper_rule)
+                            paper_rule=not args.no_paper_rule, precision=args.precision,
+                            zero=(0, 1) if args.zero == "auto" else (int(args.zero),))
         result = plan(shape, args.gpus, cluster, space)
     except ValueError as e:
         print(f"fxpar plan: error: {e}", file=sys.stderr)
@@ -117,6 +124,27 @@ def plan_json(result: PlanResult, days: float | None) -> dict:
                candidates=len(result.ranked), rejected={k: v[0] for k, v in result.rejected.items()})
     if days is not None:
         out["training_days"] = days
+    out["fxpar"] = fxpar_config(result.best)
+    return out
+
+
+MIXED_PRECISION = {"bf16": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "loss_scale": None},
+                   "fp16": {"param_dtype": "float16", "reduce_dtype": "float32", "loss_scale": "dynamic"}}
+MIXED_PRECISION["paper"] = MIXED_PRECISION["fp16"]
+
+
+def fxpar_config(best) -> dict:
+    """What runs the plan: `fxpar.init_mesh(**out["mesh"])` and `fxpar.Config.from_dict(out["config"])`, each
+    `pm.step` given the global batch (`batch` sequences, cut into dp x microbatches of `microbatch`)."""
+    c, precision = best.config, best.precision
+    config = {"microbatches": best.microbatches, "virtual_stages": c.vpp, "schedule": c.schedule,
+              "scatter_gather": c.scatter_gather, "recompute": c.recompute, "zero": c.zero,
+              "mixed_precision": MIXED_PRECISION.get(precision)}
+    out = {"mesh": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "config": config, "batch": best.shape.batch,
+           "microbatch": c.microbatch}
+    if precision == "paper":
+        out["note"] = ("memory counted with the paper's fp16 gradients (20 B/param); fxpar's fp16 keeps fp32 main "
+                       "gradients (18 B/param): plan with --precision fp16 to count those")
     return out
 
 

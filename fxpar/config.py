@@ -1,7 +1,9 @@
 """fxpar.Config: the options of parallelize() beyond the mesh, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+
+import torch
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.pipeline import SCHEDULES, check_schedule
@@ -49,3 +51,33 @@ class Config:
                              f"{self.mixed_precision!r}")
         if not isinstance(self.check_replicas_every, int) or self.check_replicas_every < 0:
             raise ValueError(f"Config.check_replicas_every must be an int >= 0, got {self.check_replicas_every!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """The Config a dict names, as `fxpar plan --json` prints it ("fxpar" -> "config"): its keys are Config's
+        fields; mixed_precision is None or a dict of MixedPrecision's fields with dtypes by name ("bfloat16")."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Config.from_dict: unknown keys {unknown}; the fields are {sorted(known)}")
+        d = dict(d)
+        mp = d.get("mixed_precision")
+        if isinstance(mp, dict):
+            d["mixed_precision"] = MixedPrecision(**{k: _dtype(v) if k.endswith("_dtype") else v
+                                                     for k, v in mp.items()})
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """The inverse of from_dict: plain values only (JSON-serializable)."""
+        out = asdict(self)
+        if self.mixed_precision is not None:
+            out["mixed_precision"] = {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+                                      for k, v in asdict(self.mixed_precision).items()}
+        return out
+
+
+def _dtype(name) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) else name
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"Config.from_dict: {name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return value

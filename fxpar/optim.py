@@ -19,6 +19,30 @@ def trainable(pm) -> dict[str, torch.nn.Parameter]:
     return {k: p for k, p in pm.held().items() if isinstance(p, torch.nn.Parameter) and p.requires_grad}
 
 
+def state_bytes(pm, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of {"weights", "gradients", "main", "optimizer"}, the parts the cost model counts
+    (cost/memory.py `state_bytes`): the trainable parameters, their gradients where they are now (the fp32 main
+    gradients under mixed precision), the tensors the optimizer steps and their gradients where those are not
+    already counted, and the optimizer's state tensors (moments; scalar step counters left out). Each storage is
+    counted once (by address)."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is not None and t.numel() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    params = list(trainable(pm).values())
+    main = [t for group in optimizer.param_groups for t in group["params"]]
+    return {"weights": size(params), "gradients": size(pm._grads.get(p) for p in params),
+            "main": size(main) + size(t.grad for t in main),
+            "optimizer": size(t for s in optimizer.state.values() for t in s.values()
+                              if isinstance(t, torch.Tensor) and t.dim() > 0)}
+
+
 class WrappedOptimizer(torch.optim.Optimizer):
     """An optimizer class stepping tensors that stand for the parameters (fp32 main copies, or pieces)."""
 

@@ -12,11 +12,13 @@ from fxpar.cost.cluster import load_cluster
 from fxpar.cost.planner import plan
 from fxpar.cost.shape import ModelShape
 from fxpar.cost.step import predict_step_seconds
+from tests.harness import module_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt3_175b.py"
 JSON_KEYS = {"tp", "pp", "dp", "microbatch", "vpp", "tflops_per_gpu", "percent_of_peak", "seconds_per_iteration",
              "memory_gib_per_gpu", "bubble_fraction"}
+pool1 = module_pool(1)
 GPT3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--batch", "1536", "--gpus", "1024"]
 
 
@@ -104,3 +106,69 @@ def test_plan_gpt3_175b_on_the_meta_device_under_60s_and_2gb():
     # CPU seconds of the planning process: what it costs here, whatever else shares the 2 cores
     assert result["cpu_s"] < 60, result
     assert result["rss_kib"] < 2 * 1024 * 1024, result
+
+
+def _steps_with(ready: dict) -> list[float]:
+    """Three AdamW steps of the tiny GPT on the mesh and Config `fxpar plan --json` printed."""
+    import torch
+
+    import fxpar
+    from examples.gpt3_175b import tiny
+
+    model, (ids,) = tiny()
+    ids = torch.randint(0, 128, (ready["batch"], ids.shape[1]), generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(model, fxpar.init_mesh(**ready["mesh"]), example_args=(ids,),
+                           config=fxpar.Config.from_dict(ready["config"]),
+                           loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pm.step(ids, target=ids).item())
+        opt.step()
+    return losses
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("precision,zero", [("bf16", "0"), ("fp32", "auto")])
+def test_plan_json_is_a_config_that_runs(pool1, capsys, precision, zero):
+    """--json's "fxpar" entry builds the mesh and Config it planned; the tiny GPT parallelizes and trains with it."""
+    import torch
+
+    import fxpar
+
+    assert run(["plan", f"{EXAMPLE}:tiny", "--batch", "4", "--gpus", "1", "--precision", precision, "--zero", zero,
+                "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ready = out["fxpar"]
+    assert ready["mesh"] == {"tp": 1, "pp": 1, "dp": 1} and ready["batch"] == 4
+    assert out["precision"] == precision and out["zero"] == ready["config"]["zero"] == 0  # zero=1 needs d > 1
+    config = fxpar.Config.from_dict(ready["config"])
+    assert config.to_dict() | ready["config"] == config.to_dict()  # every planned key kept as planned
+    assert (config.mixed_precision is None) == (precision == "fp32")
+    if config.mixed_precision is not None:
+        assert config.mixed_precision.param_dtype == torch.bfloat16
+    (losses,) = pool1.run(_steps_with, ready)
+    assert losses[-1] < losses[0], losses
+
+
+def test_plan_counts_the_model_states_by_precision_and_zero(capsys):
+    """Model states per parameter: fp32 16, bf16 18 (fp32 main gradients), the paper's fp16 20; zero=1 over d."""
+    gib = {}
+    for precision, zero in [("fp32", "0"), ("bf16", "0"), ("paper", "0"), ("bf16", "1")]:
+        assert run(["plan", *GPT3, "--tp", "8", "--pp", "8", "--microbatch", "1", "--vpp", "1", "--recompute",
+                    "full", "--precision", precision, "--zero", zero, "--json"]) == 0
+        gib[precision, zero] = json.loads(capsys.readouterr().out)["memory_gib_per_gpu"]
+    states = {k: v - gib["fp32", "0"] for k, v in gib.items()}  # only the model states differ
+    params = states["paper", "0"] / 4  # 20 - 16 bytes per parameter
+    assert states["bf16", "0"] == pytest.approx(2 * params) and params > 0
+    assert states["bf16", "1"] == pytest.approx((6 + 16 / 16 - 16) * params)  # d = 16
+
+
+def test_config_from_dict_refuses_unknown_keys_and_dtypes():
+    import fxpar
+
+    with pytest.raises(ValueError, match="unknown keys \\['microbatch'\\]"):
+        fxpar.Config.from_dict({"microbatch": 2})
+    with pytest.raises(ValueError, match="'bf16' is not a torch dtype name"):
+        fxpar.Config.from_dict({"mixed_precision": {"param_dtype": "bf16"}})

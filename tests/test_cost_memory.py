@@ -3,8 +3,8 @@ import pytest
 
 from fxpar.cost.cluster import GIB, builtin_clusters
 from fxpar.cost.flops import parameters
-from fxpar.cost.memory import (activation_bytes_per_layer, memory_per_gpu, stage_memory, stage_parameters,
-                               state_bytes_per_param)
+from fxpar.cost.memory import (activation_bytes_per_layer, default_precision, memory_per_gpu, stage_memory,
+                               stage_parameters, state_bytes, state_bytes_per_param)
 from fxpar.cost.shape import ModelShape
 
 SELENE = builtin_clusters()["selene"]
@@ -26,7 +26,25 @@ def test_activations_by_recompute_mode_with_tensor_parallelism():
 
 
 def test_state_bytes():
-    assert state_bytes_per_param(2) == 20 and state_bytes_per_param(4) == 16
+    """Bytes per parameter by precision and distributed optimizer (the table in cost/memory.py's docstring)."""
+    assert default_precision(2) == "paper" and default_precision(4) == "fp32"
+    assert [state_bytes_per_param(p) for p in ("paper", "fp32", "bf16", "fp16")] == [20, 16, 18, 18]
+    for d in (1, 2, 8):
+        assert state_bytes_per_param("fp32", 1, d) == pytest.approx(8 + 16 / d)
+        assert state_bytes_per_param("bf16", 1, d) == pytest.approx(6 + 16 / d)
+        assert state_bytes_per_param("paper", 1, d) == pytest.approx(4 + 16 / d)
+    assert state_bytes("bf16") == {"weights": 2, "gradients": 4, "main": 4, "optimizer": 8}
+    with pytest.raises(ValueError, match="precision must be one of"):
+        state_bytes("int8")
+
+
+def test_vocab_parallel_loss_keeps_the_logits_sharded():
+    """Gathered logits (a loss that needs the whole vocabulary) add (e + 4) b s V on the last stage."""
+    stages, kw = (48, 48), dict(t=8, b=1, m=8, v=1, schedule="1f1b", recompute="full", cluster=SELENE)
+    sharded = stage_memory(GPT3, stages, 1, **kw).logits
+    gathered = stage_memory(GPT3, stages, 1, vocab_parallel_loss=False, **kw).logits
+    assert sharded == pytest.approx(6 * GPT3.seq * GPT3.vocab / 8)
+    assert gathered - sharded == pytest.approx(6 * GPT3.seq * GPT3.vocab)
 
 
 def test_stage_parameters_add_up_to_the_model():

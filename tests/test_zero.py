@@ -118,3 +118,38 @@ def test_without_zero_it_is_the_plain_optimizer():
     pm = fxpar.parallelize(model, example_args=args)
     opt = pm.optimizer(torch.optim.SGD, lr=0.1)
     assert type(opt) is torch.optim.SGD and opt.param_groups[0]["params"] == list(pm.parameters())
+
+
+def _measured_state_bytes(name, t, precision, zero):
+    """(bytes measured by fxpar.optim.state_bytes after one AdamW step, the cost model's bytes for this rank)."""
+    import fxpar
+    from fxpar.cost.memory import state_bytes
+    from fxpar.optim import state_bytes as measure
+    from fxpar.optim import trainable
+    from fxpar.zero import piece_size
+
+    model, args, kwargs = models.build(name)
+    d = 2 // t
+    mp = fxpar.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, dp=d), example_args=args, example_kwargs=kwargs,
+                           loss_fn=_loss, config=fxpar.Config(zero=zero, mixed_precision=mp))
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+    ids = torch.cat([args[0]] * d)
+    pm.step(ids, target=ids, **kwargs)
+    opt.step()
+    numels = [p.numel() for p in trainable(pm).values()]
+    per_param = state_bytes(precision, zero, d)
+    full, pieces = sum(numels), sum(piece_size(n, d) for n in numels)  # pieces: ceil(n / d), the last padded
+    want = {"weights": per_param["weights"] * full,
+            "gradients": 0 if zero else per_param["gradients"] * full,  # zero=1: freed once reduce-scattered
+            "main": per_param["main"] * (d * pieces if zero else full),
+            "optimizer": per_param["optimizer"] * (d * pieces if zero else full)}
+    return measure(pm, opt), want
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,t,zero", [("llama", 1, 0), ("llama", 1, 1), ("gpt", 2, 0)])  # t=2: d=1, no zero
+def test_state_bytes_match_the_cost_model(pool2, name, t, precision, zero):
+    """The bytes per parameter cost/memory.py plans with are the bytes a rank holds, part by part."""
+    for measured, want in pool2.run(_measured_state_bytes, name, t, precision, zero):
+        assert measured == want, (measured, want)
