@@ -22,7 +22,8 @@ if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(os.path.j
     __path__.append(_ROOT)  # noqa: F821 - the package's own __path__
 
 _PUBLIC = {"parallelize": "fxpar.api", "Config": "fxpar.config", "init_mesh": "fxpar.mesh",
-           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.precision"}
+           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.precision",
+           "save": "fxpar.checkpoint", "load": "fxpar.checkpoint"}
 __all__ = sorted(_PUBLIC)
 
 

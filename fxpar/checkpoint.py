@@ -1,0 +1,333 @@
+"""Sharded checkpoints in torch.distributed.checkpoint (DCP) format: save at any (p, t, d, v), load at any other.
+
+    fxpar.save("ckpt/step-100", pm, optimizer=opt, extra={"step": 100, "data": position})
+    extra = fxpar.load("ckpt/step-100", pm, optimizer=opt)        # any other layout of the same model
+
+What a checkpoint holds, each rank writing only its own shards ([Note: chunks] in fxpar/chunks.py), under the
+original model's keys with their full shapes, in the original layout (head-interleaved projections un-interleaved):
+    model/<key>            every state_dict key of the model, tied keys included (the model's own state_dict)
+    optim/<key>/main       the fp32 main parameter (mixed precision, or the distributed optimizer's pieces joined)
+    optim/<key>/<state>    the optimizer's state of that parameter (Adam's exp_avg, exp_avg_sq, step), full shape,
+                           whatever d it was sharded over (Config(zero=1) pieces are all-gathered over dp to save
+                           and cut again to load)
+    rng/<tp>.<pp>.<dp>/... each rank's random streams, restored when the layout is unchanged
+    fxpar.json             the manifest, written last: layout, keys, the optimizer's class and hyperparameters,
+                           `extra`, and every file's size
+The directory is a DCP checkpoint: `torch.distributed.checkpoint.load({"model/" + k: t ...}, checkpoint_id=path)`
+reads it into any layout, and `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` converts it.
+
+[Note: crash safety]
+    save writes into `<path>.partial`, the manifest last (it lists every file and its size), then renames the
+    directory to `<path>` (an existing `<path>` is first renamed aside and removed after). A save killed at any
+    point leaves at most a `.partial` directory and the previous checkpoints as they were. load refuses a
+    directory without a manifest, with a file missing or of another size, or with keys or shapes that differ from
+    the model, with an error that starts with "fxpar" and names what is wrong. Loading never unpickles code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fxpar.chunks import Chunked, LoadPlanner, SafeReader, SavePlanner
+
+MANIFEST = "fxpar.json"
+FORMAT = "fxpar-checkpoint-1"
+
+
+# ---- the API --------------------------------------------------------------------------------------------------
+def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None) -> str:
+    """Write `pm` (and `optimizer`, and the JSON-serializable `extra`) to the checkpoint directory `path`; every rank
+    calls it (collective). Returns the path. See the module docstring."""
+    path = os.fspath(path)
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise ValueError(f"fxpar.save: extra must be JSON-serializable (checkpoints load weights only): {e}") from None
+    items, layout = model_items(pm), layout_of(pm)
+    manifest = {"format": FORMAT, "layout": layout, "keys": {k: list(s) for k, s in pm._shapes.items()},
+                "extra": extra, "rng_seed": getattr(pm.streams, "seed", None)}
+    if optimizer is not None:
+        tensors = optimizer_tensors(pm, optimizer)
+        items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
+                      for k, states in tensors.items() for name, t in states.items()})
+        manifest["optimizer"] = {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+                                 "param_groups": [_hyper(g) for g in optimizer.param_groups]}
+    items.update(rng_items(pm, layout))
+    partial = path + ".partial"
+    leader = _rank() == 0
+    if leader and os.path.exists(partial):
+        shutil.rmtree(partial)
+    _barrier()
+    try:
+        dcp.save(items, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), planner=SavePlanner())
+    except RuntimeError as e:  # a rank died or failed mid-save: the others' collectives fail
+        raise RuntimeError(f"fxpar.save: rank {_rank()}: the save into {partial} failed, on this rank or another "
+                           f"({e}). Checkpoints saved before are untouched; {partial} is incomplete and fxpar.load "
+                           "refuses it.") from e
+    if leader:
+        manifest["files"] = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        _write_json(os.path.join(partial, MANIFEST), manifest)
+        aside = path + ".previous"
+        if os.path.exists(path):
+            os.rename(path, aside)
+        os.rename(partial, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(aside, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
+    """Read the checkpoint at `path` into `pm` (and `optimizer`), whatever layout it was saved at; every rank calls
+    it (collective). Returns the `extra` it was saved with."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    reader = SafeReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    _check_keys(path, pm, manifest, saved)
+    layout = layout_of(pm)
+    items = model_items(pm)
+    targets = {}
+    if optimizer is not None:
+        if "optimizer" not in manifest:
+            raise ValueError(f"fxpar.load: {path} was saved without an optimizer; load it with optimizer=None")
+        targets = _optimizer_targets(pm, saved)
+        items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
+                      for k, states in targets.items() for name, t in states.items()})
+    rng = rng_items(pm, layout) if manifest["layout"] == layout else {}
+    items.update(rng)
+    with torch.no_grad():
+        dcp.load(items, storage_reader=reader, planner=LoadPlanner())
+    if optimizer is not None:
+        set_optimizer_tensors(pm, optimizer, targets)
+        _set_hyper(path, optimizer, manifest["optimizer"])
+    if rng:
+        pm.streams.set_states({k.rsplit("/", 1)[1]: v.local for k, v in rng.items()})
+    return manifest["extra"]
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under `root` (by the manifest's modification time), or None."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    done = [os.path.join(root, d) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, MANIFEST))]
+    return max(done, key=lambda d: os.path.getmtime(os.path.join(d, MANIFEST)), default=None)
+
+
+# ---- what a rank saves ------------------------------------------------------------------------------------------
+def layout_of(pm) -> dict:
+    g = getattr(pm, "groups", None)
+    return {"tp": pm.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1,
+            "vpp": pm._programs.first.config.virtual_stages}
+
+
+def _tp(pm) -> tuple[int, int]:
+    return pm.comm.rank, pm.comm.size
+
+
+def _spec(pm, key: str, local: torch.Tensor):
+    """The tp layout of `key`'s tensor (None: replicated; a scalar optimizer state is replicated too)."""
+    return pm.specs.get(pm._aliases[key]) if local.dim() else None
+
+
+def _full(pm, key: str, local: torch.Tensor) -> tuple[int, ...]:
+    return pm._shapes[key] if local.dim() else ()
+
+
+def model_items(pm) -> dict[str, Chunked]:
+    """model/<key> -> this rank's tensor of every key it holds, tied keys included."""
+    return {f"model/{k}": Chunked(pm._live[k].detach(), pm._shapes[k], pm.specs.get(pm._aliases[k]), *_tp(pm))
+            for k in pm._keys if k in pm._slots}
+
+
+def rng_items(pm, layout: dict) -> dict[str, Chunked]:
+    g = getattr(pm, "groups", None)
+    where = f"{pm.comm.rank}.{g.pp_rank if g else 0}.{g.dp_rank if g else 0}"
+    return {f"rng/{where}/{name}": Chunked(state.clone(), tuple(state.shape), None, 0, 1)
+            for name, state in pm.streams.get_states().items()}
+
+
+def optimizer_tensors(pm, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """key -> {"main": fp32 main parameter (where the optimizer has one), state name: tensor}, every tensor of the
+    parameter's local shape (or a scalar): the distributed optimizer's pieces are all-gathered over dp."""
+    from fxpar.optim import MainParamsOptimizer, trainable
+    from fxpar.zero import DistributedOptimizer
+
+    params = trainable(pm)
+    if isinstance(optimizer, DistributedOptimizer):
+        return {k: {name: _joined(optimizer, t, params[k]) for name, t in _with_main(optimizer, k).items()}
+                for k in params}
+    if isinstance(optimizer, MainParamsOptimizer):
+        return {k: _with_main(optimizer, k) for k in params}
+    key_of = {p: k for k, p in params.items()}
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in key_of:
+                raise ValueError("fxpar.save: the optimizer steps a tensor that is not one of pm's parameters; "
+                                 "make it with pm.optimizer(cls, ...) or over pm.parameters()")
+            out[key_of[p]] = _checked(key_of[p], optimizer.state.get(p, {}), p)
+    return out
+
+
+def _with_main(optimizer, key: str) -> dict[str, torch.Tensor]:
+    main = optimizer.main[key]
+    return {"main": main.detach(), **_checked(key, optimizer.optimizer.state.get(main, {}), main)}
+
+
+def _checked(key: str, state: dict, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"fxpar.save: optimizer state {key}/{name} is a {type(value).__name__}, not a tensor; "
+                             "checkpoints hold tensors only")
+        if value.dim() and value.shape != param.shape:
+            raise ValueError(f"fxpar.save: optimizer state {key}/{name} has shape {tuple(value.shape)}, not its "
+                             f"parameter's {tuple(param.shape)}: only elementwise optimizer state can be resharded")
+        out[name] = value.detach()
+    return out
+
+
+def _joined(optimizer, piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The distributed optimizer's dp pieces of one tensor, all-gathered into its local shape."""
+    if not piece.dim():
+        return piece
+    everyone = torch.empty(optimizer.d * piece.numel(), dtype=piece.dtype, device=piece.device)
+    if optimizer.d > 1:
+        dist.all_gather_into_tensor(everyone, piece.contiguous(), group=optimizer.group)
+    else:
+        everyone.copy_(piece)
+    return everyone[:param.numel()].view(param.shape)
+
+
+# ---- what a rank loads ------------------------------------------------------------------------------------------
+def _optimizer_targets(pm, saved: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """key -> {name: an empty tensor of the parameter's local shape (or a scalar), the saved dtype} for each
+    optimizer tensor the checkpoint holds of this rank's parameters."""
+    from fxpar.optim import trainable
+
+    params, out = trainable(pm), {}
+    for fqn, md in saved.items():
+        if not fqn.startswith("optim/"):
+            continue
+        key, name = fqn[len("optim/"):].rsplit("/", 1)
+        if key in params:
+            shape = params[key].shape if len(md.size) else ()
+            out.setdefault(key, {})[name] = torch.empty(shape, dtype=md.properties.dtype,
+                                                        device=params[key].device)
+    return out
+
+
+def set_optimizer_tensors(pm, optimizer, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Install loaded optimizer tensors (see optimizer_tensors): main parameters copied in (from the loaded weights
+    where the checkpoint has none), state replacing the optimizer's."""
+    from fxpar.optim import MainParamsOptimizer, trainable
+    from fxpar.zero import DistributedOptimizer, pieces
+
+    params = trainable(pm)
+    for key, p in params.items():
+        states = dict(tensors.get(key, {}))
+        main = states.pop("main", None)
+        if main is None:
+            main = p.detach()
+        if isinstance(optimizer, DistributedOptimizer):
+            def mine(t, d=optimizer.d, r=optimizer.r):
+                return pieces(t.reshape(-1), d)[r].clone() if t.dim() else t
+            target = optimizer.main[key]
+            target.data.copy_(mine(main.float()))
+            optimizer.optimizer.state[target] = {n: mine(t) for n, t in states.items()}
+        elif isinstance(optimizer, MainParamsOptimizer):
+            target = optimizer.main[key]
+            target.data.copy_(main)
+            optimizer.optimizer.state[target] = states
+        else:
+            optimizer.state[p] = states
+
+
+def _hyper(group: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()
+            if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+
+
+def _set_hyper(path: str, optimizer, saved: dict) -> None:
+    name = type(getattr(optimizer, "optimizer", optimizer)).__name__
+    if saved["class"] != name or len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"fxpar.load: {path} holds a {saved['class']} with {len(saved['param_groups'])} parameter "
+                         f"groups; the optimizer given is a {name} with {len(optimizer.param_groups)}")
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        for k, v in hyper.items():
+            if k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+# ---- the directory ----------------------------------------------------------------------------------------------
+def read_manifest(path: str) -> dict:
+    """The manifest of a complete checkpoint, every file present at its size ([Note: crash safety])."""
+    if not os.path.isdir(path):
+        partial = " (an unfinished save is at " + path + ".partial)" if os.path.isdir(path + ".partial") else ""
+        raise FileNotFoundError(f"fxpar.load: no checkpoint at {path}{partial}")
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isfile(where):
+        raise ValueError(f"fxpar.load: {path} is not a complete fxpar checkpoint: {MANIFEST} is missing (it is written "
+                         "last, so the save did not finish)")
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"fxpar.load: {where} is damaged: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"fxpar.load: {where} is not an fxpar checkpoint manifest (format {FORMAT})")
+    for name, size in manifest["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"fxpar.load: {path} is damaged: {name} is missing")
+        if os.path.getsize(file) != size:
+            raise ValueError(f"fxpar.load: {path} is damaged: {name} is {os.path.getsize(file)} bytes, "
+                             f"{size} were written")
+    return manifest
+
+
+def _check_keys(path: str, pm, manifest: dict, saved: dict) -> None:
+    mine = [k for k in pm._keys if k in pm._slots]
+    missing = [k for k in mine if f"model/{k}" not in saved]
+    if missing:
+        raise ValueError(f"fxpar.load: {path} has no {missing[0]}" + (f" (nor {len(missing) - 1} more keys)" if
+                         len(missing) > 1 else "") + ": it was saved from another model")
+    extra = sorted(set(f[len("model/"):] for f in saved if f.startswith("model/")) - set(pm._keys))
+    if extra:
+        raise ValueError(f"fxpar.load: {path} holds {extra[0]}" + (f" (and {len(extra) - 1} more keys)" if
+                         len(extra) > 1 else "") + ", which the model does not have: it was saved from another model")
+    for k in mine:
+        got = tuple(saved[f"model/{k}"].size)
+        if got != tuple(pm._shapes[k]):
+            raise ValueError(f"fxpar.load: {path} holds {k} of shape {got}; the model's is {tuple(pm._shapes[k])}")
+
+
+def _write_json(file: str, value: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

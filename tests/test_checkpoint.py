@@ -1,0 +1,280 @@
+"""fxpar.save / fxpar.load: sharded DCP checkpoints under the original keys and full shapes.
+
+Resume: train n steps straight; separately train k, save, build a fresh model (other weights), parallelize it at
+another layout, load, train n - k: the losses of steps k+1..n equal the straight run's (bitwise at the same layout,
+within 1e-6 across a reshard), with AdamW's state. Crash safety: a rank SIGKILLed mid-save leaves the previous
+checkpoint loadable and the partial one refused; damaged and mismatched checkpoints are refused naming what is wrong.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+
+import pytest
+import torch
+
+from tests import models
+from tests.harness import RankFailure, module_pool
+
+pool1 = module_pool(1)
+pool2 = module_pool(2)
+pool4 = module_pool(4)
+RESHARD_TOL = 1e-6
+BATCH, STEPS, SAVED_AT = 4, 4, 2
+
+
+def _loss(out, target):
+    return torch.nn.functional.cross_entropy(models.first_tensor(out).flatten(0, 1), target.flatten())
+
+
+def _batches(args):
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(0, models.VOCAB, (BATCH, args[0].shape[1]), generator=g) for _ in range(STEPS)]
+    return [(x, torch.roll(x, -1, 1)) for x in ids]
+
+
+def _parallel(name, layout, fresh=False):
+    import fxpar
+
+    p, t, d, v, zero, mp = layout
+    model, args, kwargs = models.build(name)
+    if fresh:  # other weights: loading must overwrite every one of them
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(torch.randn_like(w))
+    m = 2  # a multiple of p = 2 for the interleaved schedule too
+    args = (_batches(args)[0][0][:BATCH // (d * m)],)  # one microbatch
+    precision = fxpar.MixedPrecision(param_dtype=torch.bfloat16) if mp else None
+    config = fxpar.Config(microbatches=m, virtual_stages=v, zero=zero, mixed_precision=precision,
+                          schedule="interleaved-1f1b" if v > 1 else "1f1b")
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=args, example_kwargs=kwargs,
+                           loss_fn=_loss, config=config)
+    return pm, pm.optimizer(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1), args, kwargs
+
+
+def _train(pm, opt, batches, kwargs) -> list[float]:
+    losses = []
+    for ids, target in batches:
+        opt.zero_grad()
+        losses.append(pm.step(ids, target=target, **kwargs).item())
+        opt.step()
+    return losses
+
+
+def _straight(name, layout) -> list[float]:
+    """The losses of STEPS steps, uninterrupted."""
+    pm, opt, args, kwargs = _parallel(name, layout)
+    return _train(pm, opt, _batches(args), kwargs)
+
+
+def _save(name, path, layout) -> None:
+    """SAVED_AT steps, then a checkpoint."""
+    import fxpar
+
+    pm, opt, args, kwargs = _parallel(name, layout)
+    _train(pm, opt, _batches(args)[:SAVED_AT], kwargs)
+    fxpar.save(path, pm, optimizer=opt, extra={"step": SAVED_AT})
+
+
+def _resume(name, path, layout) -> list[float]:
+    """A fresh model (other weights) at `layout`, loaded from `path`, trained on from the saved step."""
+    import fxpar
+
+    pm, opt, args, kwargs = _parallel(name, layout, fresh=True)
+    extra = fxpar.load(path, pm, optimizer=opt)
+    return _train(pm, opt, _batches(args)[extra["step"]:], kwargs)
+
+
+def _layout(p=1, t=1, d=1, v=1, zero=0, mp=False):
+    return (p, t, d, v, zero, mp)
+
+
+POOLS = {1: "pool1", 2: "pool2", 4: "pool4"}
+
+
+def _run(request, layout, fn, *args):
+    """fn on the pool whose size is the layout's p * t * d (fresh processes for each layout's pool)."""
+    pool = request.getfixturevalue(POOLS[layout[0] * layout[1] * layout[2]])
+    return pool.run(fn, *args)
+
+
+_STRAIGHT: dict = {}  # (name, layout) -> the uninterrupted run's losses, computed once per module
+
+
+def _check_resume(request, tmp_path, name, before, after):
+    path = str(tmp_path / "ckpt")
+    if (name, before) not in _STRAIGHT:
+        _STRAIGHT[name, before] = _run(request, before, _straight, name, before)[0][SAVED_AT:]
+    straight = _STRAIGHT[name, before]
+    _run(request, before, _save, name, path, before)
+    for resumed in _run(request, after, _resume, name, path, after):
+        gap = max(abs(a - b) for a, b in zip(straight, resumed))
+        if before == after:
+            assert resumed == straight, (straight, resumed)  # bitwise
+        else:
+            assert gap <= RESHARD_TOL, (straight, resumed)
+        print(f"{name} {before} -> {after}: loss gap {gap:.2e}")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_resume_at_the_same_layout_is_bitwise(request, tmp_path, name):
+    _check_resume(request, tmp_path, name, _layout(t=2), _layout(t=2))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("before,after", [
+    (_layout(p=2, t=2), _layout(t=2, d=2)), (_layout(t=2, d=2), _layout(p=2, t=2)),
+    (_layout(p=2, t=2), _layout(p=2, d=2)), (_layout(p=2, d=2), _layout(p=2, t=2)),
+    (_layout(p=2, t=2), _layout()), (_layout(), _layout(p=2, t=2))])
+def test_resume_across_pipeline_tensor_and_data_parallel(request, tmp_path, name, before, after):
+    """Saved at (p, t, d) = (2, 2, 1), loaded at (1, 2, 2), (2, 1, 2) and (1, 1, 1), and the reverse."""
+    _check_resume(request, tmp_path, name, before, after)
+
+
+@pytest.mark.parametrize("before,after", [
+    (_layout(p=2, d=2, v=2), _layout(p=2, t=2)),  # interleaved v=2 saved, loaded at v=1
+    (_layout(d=2, zero=1), _layout(t=2)), (_layout(t=2), _layout(d=2, zero=1)),  # the distributed optimizer
+    (_layout(t=2, mp=True), _layout(t=2, mp=True))])  # bf16 weights and fp32 main parameters, bitwise
+def test_resume_interleaved_zero_and_mixed_precision(request, tmp_path, before, after):
+    _check_resume(request, tmp_path, "gpt5" if before[3] > 1 else "llama", before, after)
+
+
+def test_bf16_resume_across_layouts_keeps_the_fp32_main_parameters(request, tmp_path):
+    """bf16 at t=2 saved, loaded at d=2 with the distributed optimizer: the run goes on within the recipe's own
+    layout-to-layout rounding (2e-3 relative, as in tests/test_mixed_precision.py), because the fp32 main
+    parameters, not the bf16 weights, are restored."""
+    before, after = _layout(t=2, mp=True), _layout(d=2, zero=1, mp=True)
+    path = str(tmp_path / "ckpt")
+    straight = _run(request, before, _straight, "llama", before)[0][SAVED_AT:]
+    _run(request, before, _save, "llama", path, before)
+    for resumed in _run(request, after, _resume, "llama", path, after):
+        assert max(abs(a - b) / abs(a) for a, b in zip(straight, resumed)) <= 2e-3, (straight, resumed)
+
+
+def _save_and_gather(name, path, layout) -> dict:
+    """Save as _save does; return the full state dict (original keys, original layout) to compare with."""
+    import fxpar
+
+    pm, opt, args, kwargs = _parallel(name, layout)
+    _train(pm, opt, _batches(args)[:1], kwargs)
+    fxpar.save(path, pm, optimizer=opt, extra={"step": 1})
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_torch_reads_the_original_model_from_a_t2_checkpoint(pool2, tmp_path, name):
+    """Plain torch.distributed.checkpoint, one process, no fxpar: the unmodified model's state_dict, every key and
+    full shape, head-interleaved QKV back in its original layout (equal to full_state_dict bitwise)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    full = pool2.run(_save_and_gather, name, path, _layout(t=2))[0]
+    model, _, _ = models.build(name)
+    state = {f"model/{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    assert set(state) == {f"model/{k}" for k in full}
+    for k, v in full.items():
+        assert torch.equal(state[f"model/{k}"], v), k
+
+
+def _killed_mid_save(previous, path) -> None:
+    """A complete save to `previous`, then a save to `path` during which rank 1 is SIGKILLed while writing."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import fxpar
+
+    pm, opt, args, kwargs = _parallel("gpt", _layout(t=2))
+    _train(pm, opt, _batches(args)[:1], kwargs)
+    fxpar.save(previous, pm, optimizer=opt, extra={"step": 1})
+    _train(pm, opt, _batches(args)[1:2], kwargs)
+    if dist.get_rank() == 1:
+        def dying(transforms, stream, *rest):
+            stream.write(b"\0" * 64)
+            stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        fs._write_item = dying
+    fxpar.save(path, pm, optimizer=opt, extra={"step": 2})
+
+
+def _load_outcomes(paths) -> list[str]:
+    """What fxpar.load says of each path: the extra it returns, or the error's type and message."""
+    import fxpar
+
+    out = []
+    for path in paths:
+        pm, opt, _, _ = _parallel("gpt", _layout(t=2), fresh=True)
+        try:
+            out.append(f"ok {fxpar.load(path, pm, optimizer=opt)}")
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(pool2, tmp_path):
+    previous, path = str(tmp_path / "step-1"), str(tmp_path / "step-2")
+    with pytest.raises(RankFailure) as failure:
+        pool2.run(_killed_mid_save, previous, path)
+    assert "SIGKILL" in failure.value.failures[1], failure.value.failures
+    assert 0 not in failure.value.failures or "fxpar.save: rank 0: the save into" in failure.value.failures[0]
+    assert os.path.isdir(path + ".partial") and not os.path.exists(path)
+    outcomes = pool2.run(_load_outcomes, [previous, path, path + ".partial"])  # fresh ranks
+    for ok, gone, partial in outcomes:
+        assert ok == "ok {'step': 1}", ok
+        assert gone.startswith("FileNotFoundError: fxpar.load: no checkpoint at") and ".partial" in gone, gone
+        assert partial.startswith("ValueError: fxpar.load:") and "fxpar.json is missing" in partial, partial
+
+
+def test_damaged_mismatched_and_unsafe_checkpoints_are_refused(pool2, tmp_path):
+    import json
+    import shutil
+
+    good = str(tmp_path / "good")
+    pool2.run(_save, "gpt", good, _layout(t=2))
+    data = sorted(f for f in os.listdir(good) if f.endswith(".distcp"))
+    truncated, missing, unsafe = (str(tmp_path / n) for n in ("truncated", "missing", "unsafe"))
+    for copy in (truncated, missing, unsafe):
+        shutil.copytree(good, copy)
+    with open(os.path.join(truncated, data[0]), "r+b") as f:
+        f.truncate(100)
+    os.remove(os.path.join(missing, data[-1]))
+    evil = pickle.dumps(_Evil())
+    with open(os.path.join(unsafe, ".metadata"), "wb") as f:
+        f.write(evil)
+    manifest = json.load(open(os.path.join(unsafe, "fxpar.json")))
+    manifest["files"][".metadata"] = len(evil)
+    json.dump(manifest, open(os.path.join(unsafe, "fxpar.json"), "w"))
+    other = str(tmp_path / "llama")
+    pool2.run(_save, "llama", other, _layout(t=2))
+    for t, m, u, o in pool2.run(_load_outcomes, [truncated, missing, unsafe, other]):
+        assert f"is damaged: {data[0]} is 100 bytes" in t, t
+        assert f"is damaged: {data[-1]} is missing" in m, m
+        assert "UnpicklingError: fxpar: the checkpoint's .metadata names posix.system" in u or "os.system" in u, u
+        assert o.startswith("ValueError: fxpar.load:") and "another model" in o, o
+    assert not os.path.exists(tmp_path / "pwned")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_chunks_are_the_shard_in_the_full_tensor():
+    """Every chunk of every rank's shard is the same slice of the full tensor (plain, head-interleaved QKV,
+    gate|up, per-head [H, 3, hd] blocks, unequal parts), and together they tile it once."""
+    from fxpar.chunks import chunks
+    from fxpar.passes.placements import Shard, local_shard
+
+    for spec, t in [(Shard(0, (12,)), 2), (Shard(0, (8, 8, 8)), 4), (Shard(1, (6, 6)), 2), (Shard(0, (4,), pre=6), 2),
+                    (Shard(0, (8, 4, 4)), 2), (Shard(1, (4, 2, 2), post=3), 2)]:
+        shape = [5, 5]
+        shape[spec.dim] = spec.size
+        full = torch.arange(shape[0] * shape[1]).reshape(shape)
+        covered = torch.zeros(spec.size, dtype=torch.long)
+        for r in range(t):
+            local = local_shard(full, spec, r, t)
+            for local_start, global_start, n in chunks(tuple(shape), spec, r, t):
+                assert torch.equal(local.narrow(spec.dim, local_start, n), full.narrow(spec.dim, global_start, n))
+                covered[global_start:global_start + n] += 1
+        assert covered.eq(1).all(), (spec, covered)
