@@ -32,6 +32,7 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     example_target: one microbatch's target; with a loss_fn, the loss is traced with the model now (else at the first
     step, from its target: [Note: the loss is traced] in fxpar/trace.py)."""
     config = config or Config()
+    _check_meta_buffers(model)
     if config.mixed_precision is not None:  # in place, as Megatron's Float16Module ([Note: mixed precision])
         model.to(config.mixed_precision.param_dtype)
     pipelined = loss_fn is not None or pp > 1
@@ -53,6 +54,18 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
             stacklevel=3,
         )
     return pm
+
+
+def _check_meta_buffers(model: nn.Module) -> None:
+    """A model built on the meta device is filled by a load of its state_dict; a buffer outside it cannot be."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer.is_meta and name not in persistent:
+            raise ValueError(
+                f"fxpar.parallelize: buffer {name} {tuple(buffer.shape)} is on the meta device but is not in the "
+                "model's state_dict (registered with persistent=False), so no checkpoint can fill it. Fix: build "
+                "only the parameters on meta (buffers are small), or compute this buffer on a real device before "
+                "parallelize.")
 
 
 def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:

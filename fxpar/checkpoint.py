@@ -103,6 +103,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     items.update(rng)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
+    pm._unloaded.clear()  # every key this rank holds was in the checkpoint (_check_keys)
     if optimizer is not None:
         set_optimizer_tensors(pm, optimizer, targets)
         _set_hyper(path, optimizer, manifest["optimizer"])

@@ -28,7 +28,7 @@ from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_spe
 from fxpar.passes.canonicalize import cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.gemm_forms import gemm_forms_pass
-from fxpar.passes.local_shapes import local_shapes_pass
+from fxpar.passes.local_shapes import local_shapes_pass, meta_state_device, place_meta_state_pass
 from fxpar.passes.lower_schedule import Program, lower_program
 from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
 from fxpar.passes.ops import TPComm
@@ -94,11 +94,23 @@ class Compiled:
         """state_dict key -> how this weight is sharded over tp (absent: replicated)."""
         return weight_specs(self.analysis)
 
+    @property
+    def target_device(self) -> torch.device:
+        """Where weights built on the meta device are materialized: where the inputs are (the CPU if none)."""
+        return next((v.device for v in self.traced.example_inputs if isinstance(v, torch.Tensor)),
+                    torch.device("cpu"))
+
 
 # ---------------------------------------------------------------------------------------------------- the stages
 def _trace(c: Compiled) -> Traced:
+    """torch.export's program; weights built on the meta device are placed where the inputs are (see
+    passes/local_shapes.py place_meta_state_pass)."""
     mp = c.config.mixed_precision
-    return trace(c.model, c.example_args, c.example_kwargs, c.loss, mp.param_dtype if mp is not None else None)
+    traced = trace(c.model, c.example_args, c.example_kwargs, c.loss, mp.param_dtype if mp is not None else None)
+    device = meta_state_device(traced.gm)
+    if device is not None:
+        place_meta_state_pass(traced.gm, device)
+    return traced
 
 
 def _canonicalize(c: Compiled) -> GraphModule:
@@ -143,7 +155,8 @@ def _fuse(c: Compiled) -> GraphModule:
     if not c.config.fuse:
         return c.gm
     state = c.buffers if c.buffers is not None else dict(c.model.named_buffers(remove_duplicate=False))
-    values = c.traced.values(state)
+    # a buffer built on the meta device has no value yet: nothing is proven from it (its mask stays unfused)
+    values = {gi: v for gi, v in c.traced.values(state).items() if not v.is_meta}
     gm = fusion_pass(c.gm, values)
     used = {gi for n in gm.graph.nodes for gi in n.meta.get(FXPAR_ASSUMES, ())}
     c.assumed = {gi: values[gi].detach().clone() for gi in used}  # checked before each call (the executable)

@@ -54,7 +54,7 @@ class ParallelModule(nn.Module):
         self._shapes = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}  # global shapes
         self.specs = {self._aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
-        slots = {}
+        slots, unloaded = {}, set()
         for key, reg in self._aliases.items():
             if key != reg or (owned is not None and key not in owned):
                 continue
@@ -62,6 +62,9 @@ class ParallelModule(nn.Module):
             local = tensor.detach()
             if key in self.specs:
                 local = local_shard(local, self.specs[key], self.comm.rank, self.comm.size)
+            if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
+                local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
+                unloaded.add(key)
             holder, leaf = _holder(self, key)
             if isinstance(tensor, nn.Parameter):
                 holder.register_parameter(leaf, nn.Parameter(local.clone(), requires_grad=tensor.requires_grad))
@@ -70,6 +73,7 @@ class ParallelModule(nn.Module):
             slots[key] = (holder, leaf)
         self._slots = {key: slots[reg] for key, reg in self._aliases.items() if reg in slots}
         self._live = LiveState(self._slots)
+        self.__dict__["_unloaded"] = unloaded  # keys built on meta that no load has filled yet
         self.train(model.training)
         self.__dict__["replica_groups"] = _replica_groups(mesh)
         mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/precision.py
@@ -113,10 +117,19 @@ class ParallelModule(nn.Module):
 
     def check_weights(self, program: Compiled, chunks=None) -> None:
         """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
-        `chunks`, or all of them)."""
+        `chunks`, or all of them), or if a weight built on the meta device was never loaded."""
+        self.check_loaded()
         if program.expected_state is None:
             program.expected_state = expected_state(program.partition.chunks if chunks is None else chunks)
         check_state(self._live, program.expected_state)
+
+    def check_loaded(self, what: str = "runs") -> None:
+        unloaded = [k for k in self._keys if self._aliases.get(k) in self._unloaded]
+        if unloaded:
+            raise RuntimeError(
+                f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
+                f"({unloaded[0]}, ...) hold no values yet, so it {what} on garbage. Fix: fill them first with "
+                "fxpar.load(checkpoint, pm), or pm.load_state_dict(full_state_dict).")
 
     def flatten_inputs(self, args, kwargs) -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
@@ -173,6 +186,7 @@ class ParallelModule(nn.Module):
         """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with mixed
         precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
         group (fxpar/optim.py, fxpar/zero.py). Make it before the first step()."""
+        self.check_loaded("would copy its main parameters from them")
         config = self._programs.first.config
         if not config.zero:
             if config.mixed_precision is None:

@@ -80,6 +80,7 @@ def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool,
             if key not in pm._slots or pm._aliases[key] in done:
                 continue  # another stage's, or a tied alias already loaded
             done.add(pm._aliases[key])
+            pm._unloaded.discard(pm._aliases[key])
             local = _local_value(key, value, pm.specs.get(pm._aliases[key]), pm._live[key], pm.comm)
             holder, leaf = pm._slots[key]
             current = pm._live[key]

@@ -13,14 +13,17 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx.node import map_aggregate
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .meta import input_of, placeholders
 from .placements import Shard
 
 
-def local_fake_inputs(gm: GraphModule, specs: dict[str, Shard], t: int, mode: FakeTensorMode) -> list:
-    """One fake tensor per placeholder of gm: its traced shape, with a sharded weight's dim divided by t."""
+def local_fake_inputs(gm: GraphModule, specs: dict[str, Shard], t: int, mode: FakeTensorMode,
+                      meta_to: torch.device | None = None) -> list:
+    """One fake tensor per placeholder of gm: its traced shape, with a sharded weight's dim divided by t; a value
+    traced on the meta device is placed on `meta_to` (where given)."""
     out = []
     for n in placeholders(gm):
         v = n.meta.get("val")
@@ -31,15 +34,48 @@ def local_fake_inputs(gm: GraphModule, specs: dict[str, Shard], t: int, mode: Fa
         spec = specs.get(input_of(n).key) if input_of(n).is_state else None
         if spec is not None:
             shape[spec.dim] //= t
+        device = meta_to if meta_to is not None and v.device.type == "meta" else v.device
         with mode:
-            out.append(torch.empty(shape, dtype=v.dtype, device=v.device))
+            out.append(torch.empty(shape, dtype=v.dtype, device=device))
     return out
+
+
+def meta_state_device(gm: GraphModule) -> torch.device | None:
+    """Where weights traced on the meta device will live: the device of the model's inputs (None when no weight is
+    on meta, or no input says; then the CPU)."""
+    state, inputs = [], []
+    for n in placeholders(gm):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            (state if input_of(n).is_state else inputs).append(v.device)
+    if not any(d.type == "meta" for d in state):
+        return None
+    return next((d for d in inputs if d.type != "meta"), torch.device("cpu"))
+
+
+def place_meta_state_pass(gm: GraphModule, device: torch.device) -> GraphModule:
+    """A model built on the meta device (each rank materializes only its shards later, fxpar/checkpoint.py): its
+    weights' traced values are placed on `device` and every node's value re-propagated, so the program is the one
+    the materialized weights run (an op's device argument that the trace recorded as meta becomes `device` too).
+    Returns gm."""
+    def place(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.args, n.kwargs = map_aggregate(n.args, place), map_aggregate(n.kwargs, place)
+    gm.recompile()
+    return _propagate(gm, {}, 1, device)
 
 
 def local_shapes_pass(gm: GraphModule, specs: dict[str, Shard], t: int) -> GraphModule:
     """Set every node's meta["val"] to this rank's fake value (see the module docstring); returns gm."""
+    return _propagate(gm, specs, t, None)
+
+
+def _propagate(gm: GraphModule, specs: dict[str, Shard], t: int, meta_to: torch.device | None) -> GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = local_fake_inputs(gm, specs, t, mode)
+    inputs = local_fake_inputs(gm, specs, t, mode, meta_to)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         FakeTensorProp(gm, mode).propagate(*inputs)

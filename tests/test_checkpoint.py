@@ -278,3 +278,60 @@ def test_chunks_are_the_shard_in_the_full_tensor():
                 assert torch.equal(local.narrow(spec.dim, local_start, n), full.narrow(spec.dim, global_start, n))
                 covered[global_start:global_start + n] += 1
         assert covered.eq(1).all(), (spec, covered)
+
+
+def _params_on_meta(model):
+    """The model with its parameters (not its buffers) on the meta device, as loaders that build models empty do."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+    return model
+
+
+def _from_meta(name, path, layout) -> tuple[str, dict]:
+    """A model built on the meta device, parallelized at `layout`, refused before it is loaded, then loaded."""
+    import fxpar
+
+    if name == "gpt":
+        with torch.device("meta"):
+            model, _, kwargs = models.build(name)
+    else:
+        model, _, kwargs = models.build(name)
+        _params_on_meta(model)
+    p, t, d, *_ = layout
+    example, _ = _batches((torch.zeros(1, 8, dtype=torch.long),))[0]
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=(example[:BATCH // (2 * d)],),
+                           example_kwargs=kwargs, loss_fn=_loss, config=fxpar.Config(microbatches=2))
+    held = {k: (v.device.type, v.numel()) for k, v in pm.held().items()}
+    assert all(device == "cpu" for device, _ in held.values()), held
+    try:
+        pm.step(example, target=example, **kwargs)
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    fxpar.load(path, pm)
+    return refused, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_meta_device_model_materializes_only_its_shards(pool2, tmp_path, name):
+    """Built on the meta device, parallelized at t=2: each rank allocates its shards only (CPU, uninitialized),
+    refuses to run until loaded, and after fxpar.load equals the saved model bitwise."""
+    path = str(tmp_path / "ckpt")
+    full = pool2.run(_save_and_gather, name, path, _layout(d=2))[0]
+    for refused, loaded in pool2.run(_from_meta, name, path, _layout(t=2)):
+        assert "built on the meta device" in refused and "fxpar.load" in refused, refused
+        assert set(loaded) == set(full)
+        for k, v in full.items():
+            assert torch.equal(loaded[k], v), k
+
+
+def test_a_meta_buffer_outside_the_state_dict_is_refused():
+    import fxpar
+
+    with torch.device("meta"):
+        model, args, kwargs = models.build("llama")
+    with pytest.raises(ValueError, match="rotary_emb.inv_freq .* is on the meta device but is not in the model's"):
+        fxpar.parallelize(model, example_args=(torch.zeros(args[0].shape, dtype=torch.long),),
+                          example_kwargs=kwargs)
