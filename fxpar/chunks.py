@@ -74,8 +74,8 @@ class Chunked:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner over a flat dict, reading `Chunked` values chunk by chunk (a contiguous copy of each
-    view is written)."""
+    """DCP's default planner over a flat dict, reading `Chunked` values chunk by chunk (a chunk that is part of
+    its tensor is written from a contiguous copy)."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
@@ -83,7 +83,10 @@ class SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
         if isinstance(value, Chunked):
-            return value.__get_tensor_shard__(index).detach().contiguous().clone()
+            view = value.__get_tensor_shard__(index).detach()
+            whole = view.is_contiguous() and view.storage_offset() == 0 and \
+                view.untyped_storage().nbytes() == view.numel() * view.element_size()
+            return view if whole else view.contiguous().clone()  # torch.save writes a view's whole storage
         return super().lookup_object(index)
 
 

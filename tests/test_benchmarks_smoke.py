@@ -108,3 +108,12 @@ def test_fidelity_runs_end_to_end(capsys, tmp_path):
     assert "Spearman" in out and "`fxpar calibrate --world 2`" in out and (tmp_path / "local-2.json").is_file()
     assert [r["config"] for r in rows] == [fidelity.describe(c) for c in fidelity.CONFIGS[1]]
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
+
+
+def test_checkpoint_io_runs(capsys):
+    from benchmarks import checkpoint_io
+
+    result = checkpoint_io.main([*TINY_GPT, "--rounds", "1", "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert "save MiB/s/rank" in out and "fxpar t=2" in out and "torch DCP" in out and "t=2:" in out
+    assert result["bytes"]["fxpar t=2"] > 0 and set(result["meta"]["by_t"]) == {1, 2}
