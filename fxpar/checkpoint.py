@@ -34,16 +34,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fxpar.chunks import Chunked, LoadPlanner, SafeReader, SavePlanner
+from fxpar.safetensors_io import is_safetensors_dir, load_safetensors, save_safetensors
 
 MANIFEST = "fxpar.json"
 FORMAT = "fxpar-checkpoint-1"
 
 
 # ---- the API --------------------------------------------------------------------------------------------------
-def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None) -> str:
+def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None, format: str = "dcp",
+         max_shard_mb: float = 5 * 1024) -> str:
     """Write `pm` (and `optimizer`, and the JSON-serializable `extra`) to the checkpoint directory `path`; every rank
-    calls it (collective). Returns the path. See the module docstring."""
+    calls it (collective). Returns the path. See the module docstring. format="safetensors" writes the weights only,
+    as full tensors in Hugging Face's layout (files of at most max_shard_mb; fxpar/safetensors_io.py)."""
     path = os.fspath(path)
+    if format not in ("dcp", "safetensors"):
+        raise ValueError(f"fxpar.save: format must be 'dcp' or 'safetensors', got {format!r}")
+    if format == "safetensors":
+        if optimizer is not None or extra is not None:
+            raise ValueError("fxpar.save: format='safetensors' holds the weights only; save the optimizer and extra "
+                             "in the default format='dcp'")
+        return save_safetensors(path, pm, max_shard_mb)
     try:
         json.dumps(extra)
     except TypeError as e:
@@ -84,8 +94,16 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None)
 
 def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     """Read the checkpoint at `path` into `pm` (and `optimizer`), whatever layout it was saved at; every rank calls
-    it (collective). Returns the `extra` it was saved with."""
+    it (collective). Returns the `extra` it was saved with. A directory of Hugging Face safetensors files (a
+    save_pretrained directory) loads the weights, each rank reading only its slices (fxpar/safetensors_io.py)."""
     path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, MANIFEST)) and is_safetensors_dir(path):  # Hugging Face weights
+        if optimizer is not None:
+            raise ValueError(f"fxpar.load: {path} holds safetensors weights only; load it with optimizer=None")
+        load_safetensors(path, pm)
+        return None
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        raise ValueError(f"fxpar.load: {path} is a file; pass the directory that holds it (and its index)")
     manifest = read_manifest(path)
     reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata

@@ -335,3 +335,44 @@ def test_a_meta_buffer_outside_the_state_dict_is_refused():
     with pytest.raises(ValueError, match="rotary_emb.inv_freq .* is on the meta device but is not in the model's"):
         fxpar.parallelize(model, example_args=(torch.zeros(args[0].shape, dtype=torch.long),),
                           example_kwargs=kwargs)
+
+
+def _hf_in_and_out(pretrained, exported, layout, meta) -> dict:
+    """Load a save_pretrained directory into a parallelized Llama (other weights, or built on meta), export it."""
+    import fxpar
+
+    model, args, kwargs = models.build("llama")
+    if meta:
+        _params_on_meta(model)
+    else:
+        with torch.no_grad():
+            for w in model.parameters():
+                w.add_(torch.randn_like(w))
+    p, t, d, *_ = layout
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=args, example_kwargs=kwargs,
+                           loss_fn=_loss, config=fxpar.Config(microbatches=2))
+    fxpar.load(pretrained, pm)
+    fxpar.save(exported, pm, format="safetensors", max_shard_mb=0.05)
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("layout,meta", [(_layout(t=2), False), (_layout(p=2), True)])
+def test_hugging_face_safetensors_in_and_out(pool2, tmp_path, layout, meta):
+    """A save_pretrained directory loads into the parallelized model (each rank reading its slices; built on meta
+    too); fxpar.save(format="safetensors") writes it back as full tensors in several files with the index, and
+    from_pretrained reads the result: every weight bitwise."""
+    import transformers
+
+    model, _, _ = models.build("llama")
+    pretrained, exported = str(tmp_path / "pretrained"), str(tmp_path / "exported")
+    model.save_pretrained(pretrained)
+    want = model.state_dict()
+    for loaded in pool2.run(_hf_in_and_out, pretrained, exported, layout, meta):
+        for k, v in want.items():
+            assert torch.equal(loaded[k], v), k
+    files = sorted(os.listdir(exported))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1, files
+    model.config.save_pretrained(exported)  # the weights are fxpar's; the config is the user's to add
+    back = transformers.LlamaForCausalLM.from_pretrained(exported).state_dict()
+    for k, v in want.items():
+        assert torch.equal(back[k], v), k
