@@ -6,7 +6,11 @@
 d is what is left: world size / (t * p). The loss is traced with the model (the vocab-parallel cross-entropy at
 t > 1: the logits are never gathered), the optimizer is AdamW through pm.optimizer (Megatron's distributed
 optimizer with --zero 1), the gradients are clipped by their global norm (--clip), and the model computes in bf16
-with fp32 main parameters and gradients (--precision).
+with fp32 main parameters and gradients (--precision). With --checkpoint DIR it saves every --save-every steps and
+resumes from the newest complete checkpoint in DIR, so under `torchrun --max-restarts N` a run whose rank dies goes
+on from its last checkpoint:
+
+    torchrun --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py --tp 2 --checkpoint ckpt --kill-at-step 7
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import argparse
 import glob
 import os
 import resource
+import signal
 import sys
 import sysconfig
 import time
@@ -23,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fxpar  # noqa: E402
+import fxpar.checkpoint  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
@@ -67,6 +73,11 @@ def parse(argv=None):
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="bf16/fp16: mixed precision with fp32 main parameters and gradients (fp16 with loss scaling)")
     p.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
+    p.add_argument("--checkpoint", default=None, help="directory of checkpoints: resume from its latest, save into it")
+    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint)")
+    p.add_argument("--kill-at-step", type=int, default=None,
+                   help="to try an elastic restart: the last rank SIGKILLs itself before this step, on the first "
+                        "attempt only (torchrun --max-restarts 1 ... --checkpoint DIR)")
     return p.parse_args(argv)
 
 
@@ -97,16 +108,27 @@ def main(argv=None):
     opt = pm.optimizer(torch.optim.AdamW, lr=args.lr)
     data = batches(stdlib_bytes(), args.batch, args.seq, seed=0)
     rank0 = dist.get_rank() == 0
+    first = 0
+    latest = fxpar.checkpoint.latest(args.checkpoint) if args.checkpoint else None
+    if latest:  # resume: weights, optimizer state, random streams; the data position is the step
+        first = fxpar.load(latest, pm, optimizer=opt)["step"]
+        for _ in range(first):
+            next(data)
+        if rank0:
+            print(f"resumed from {latest} at step {first}", flush=True)
     if rank0:
         print(f"training on {world} ranks: p={args.pp} t={args.tp} d={dp} v={args.vpp} m={m} {schedule} "
               f"zero={args.zero} {args.precision}; logits: {pm.plan.logits or 'not sharded (t=1)'}", flush=True)
-    bar = range(args.steps)
+    bar = range(first, args.steps)
     if rank0:
         from tqdm import tqdm
 
         bar = tqdm(bar, desc="train", file=sys.stdout, mininterval=1.0)
     start = time.perf_counter()
     for step in bar:
+        if step == args.kill_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+                and dist.get_rank() == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = next(data)
         opt.zero_grad()
         loss = pm.step(x, target=y)
@@ -117,6 +139,11 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss.item():.4f}", norm=f"{norm.item():.2f}", tok_s=f"{rate:.0f}")
             if step % 10 == 0 or step == args.steps - 1:
                 bar.write(f"step {step:4d}  loss {loss.item():.4f}")
+        if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+            fxpar.save(os.path.join(args.checkpoint, f"step-{step + 1:06d}"), pm, optimizer=opt,
+                       extra={"step": step + 1})
+    if rank0 and args.steps > first:
+        print(f"final loss {loss.item()!r}", flush=True)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10])  # MiB (Linux: KiB)
     peaks = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(peaks, peak)

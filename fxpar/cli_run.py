@@ -1,7 +1,9 @@
 """`fxpar run [torchrun options] script.py [script args]`: a thin wrapper over torch.distributed.run (torchrun).
 
 fxpar has no launcher of its own: this only sets one thread per rank by default (CPU ranks on one machine
-otherwise oversubscribe the cores) and hands everything else to torchrun unchanged.
+otherwise oversubscribe the cores) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restarted workers otherwise can read
+the previous attempt's addresses from the rendezvous store they share with the agent and fail to connect:
+pytorch/pytorch#135712), and hands everything else to torchrun unchanged.
 """
 from __future__ import annotations
 
@@ -24,5 +26,6 @@ def torchrun(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun_main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     torchrun_main(argv)
     return 0

@@ -45,3 +45,24 @@ def test_fxpar_run_any_ptdv():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "p=2 t=2 d=1 v=1 m=4 1f1b" in out.stdout and "step    2  loss" in out.stdout
+
+
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
+    """A rank SIGKILLed at step 7 of 12 under torchrun --max-restarts 1 (through fxpar run): the restarted workers
+    load the step-5 checkpoint and end with the uninterrupted run's final loss, to the last bit (fp32, same
+    layout)."""
+    def train(*extra):  # fxpar run: torchrun, with the restart-safe rendezvous store (fxpar/cli_run.py)
+        out = subprocess.run([sys.executable, "-m", "fxpar.cli", "run", "--standalone", "--nproc-per-node", "2",
+                              "--max-restarts", "1", "examples/train_gpt.py", "--tp", "2", "--precision", "fp32",
+                              "--steps", "12", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "8",
+                              "--save-every", "5", *extra],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    straight = train()
+    restarted = train("--checkpoint", str(tmp_path / "ckpt"), "--kill-at-step", "7")
+    assert "resumed from" in restarted and "step-000005 at step 5" in restarted, restarted
+    final = [line for line in straight.splitlines() if line.startswith("final loss")]
+    assert final and final[-1] in restarted.splitlines(), (final, restarted)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-000005", "step-000010", "step-000012"]
