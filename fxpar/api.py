@@ -79,6 +79,7 @@ def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:
             seed = int(shared.item())
     pp_rank, dp_rank = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp")) if mesh is not None else (0, 0)
     device = next((x.device.type for x in example_args if isinstance(x, torch.Tensor)), "cpu")
+    device = "cpu" if device == "meta" else device  # a rank simulated on meta (fxpar show) draws nothing
     return RandomStreams(seed, comm.rank, pp_rank, dp_rank, device if mesh is None else mesh.device_type)
 
 

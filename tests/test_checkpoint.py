@@ -376,3 +376,37 @@ def test_hugging_face_safetensors_in_and_out(pool2, tmp_path, layout, meta):
     back = transformers.LlamaForCausalLM.from_pretrained(exported).state_dict()
     for k, v in want.items():
         assert torch.equal(back[k], v), k
+
+
+@pytest.mark.slow
+def test_gpt3_175b_on_meta_yields_a_t8_ranks_local_shapes_without_allocating():
+    """The 175B model built on the meta device, compiled for rank 0 of t=8 (a simulated rank, as fxpar show does):
+    its weights are the local shards' shapes, still on meta, in a process that stays under 1 GiB."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import json, resource, torch\n"
+              "from fxpar.api import build\n"
+              "from fxpar.passes.ops import TPComm\n"
+              "from examples.gpt3_175b import factory\n"
+              "with torch.device('meta'):\n"
+              "    model, args = factory()\n"
+              "pm = build(model, TPComm(rank=0, size=8), args)\n"
+              "held = pm.held()\n"
+              "print(json.dumps({'shapes': {k: list(v.shape) for k, v in held.items() if k.startswith(('wte', 'lm_', "
+              "'blocks.0.'))}, 'devices': sorted({v.device.type for v in held.values()}),\n"
+              "                  'params': sum(v.numel() for v in held.values()),\n"
+              "                  'rss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    h, shapes = 12288, got["shapes"]
+    assert shapes["wte.weight"] == shapes["lm_head.weight"] == [51200 // 8, h]
+    assert shapes["blocks.0.qkv.weight"] == [3 * h // 8, h] and shapes["blocks.0.proj.weight"] == [h, h // 8]
+    assert shapes["blocks.0.fc.weight"] == [4 * h // 8, h] and shapes["blocks.0.fc_proj.weight"] == [h, 4 * h // 8]
+    assert got["devices"] == ["meta"] and 21.8e9 < got["params"] < 22.1e9, got["params"]  # about 175B / 8
+    assert got["rss_kib"] < 2**20, got["rss_kib"]  # the rank's 22B parameters would be 88 GB in fp32
