@@ -114,6 +114,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     if optimizer is not None:
         if "optimizer" not in manifest:
             raise ValueError(f"fxpar.load: {path} was saved without an optimizer; load it with optimizer=None")
+        _check_optimizer(path, optimizer, manifest["optimizer"])
         targets = _optimizer_targets(pm, saved)
         items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
                       for k, states in targets.items() for name, t in states.items()})
@@ -274,11 +275,14 @@ def _hyper(group: dict) -> dict:
             if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))}
 
 
-def _set_hyper(path: str, optimizer, saved: dict) -> None:
+def _check_optimizer(path: str, optimizer, saved: dict) -> None:
     name = type(getattr(optimizer, "optimizer", optimizer)).__name__
     if saved["class"] != name or len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"fxpar.load: {path} holds a {saved['class']} with {len(saved['param_groups'])} parameter "
                          f"groups; the optimizer given is a {name} with {len(optimizer.param_groups)}")
+
+
+def _set_hyper(path: str, optimizer, saved: dict) -> None:
     for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
         for k, v in hyper.items():
             if k in group:

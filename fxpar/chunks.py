@@ -114,7 +114,6 @@ _METADATA_CLASSES = {
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint._extension": set(),
     "torch": {"Size", "device", "layout", "memory_format", "strided"} | {
         name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
     "torch.serialization": {"_get_layout"},

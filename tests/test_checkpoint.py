@@ -253,6 +253,19 @@ def test_damaged_mismatched_and_unsafe_checkpoints_are_refused(pool2, tmp_path):
         assert "UnpicklingError: fxpar: the checkpoint's .metadata names posix.system" in u or "os.system" in u, u
         assert o.startswith("ValueError: fxpar.load:") and "another model" in o, o
     assert not os.path.exists(tmp_path / "pwned")
+    for message in pool2.run(_load_into_sgd, good):
+        assert "holds a AdamW with 1 parameter groups; the optimizer given is a SGD" in message, message
+
+
+def _load_into_sgd(path) -> str:
+    import fxpar
+
+    pm, _, _, _ = _parallel("gpt", _layout(t=2))
+    try:
+        fxpar.load(path, pm, optimizer=pm.optimizer(torch.optim.SGD, lr=0.1))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 class _Evil:
