@@ -157,7 +157,7 @@ def _fuse(c: Compiled) -> GraphModule:
     state = c.buffers if c.buffers is not None else dict(c.model.named_buffers(remove_duplicate=False))
     # a buffer built on the meta device has no value yet: nothing is proven from it (its mask stays unfused)
     values = {gi: v for gi, v in c.traced.values(state).items() if not v.is_meta}
-    gm = fusion_pass(c.gm, values)
+    gm = fusion_pass(c.gm, values, recompute_gelu=c.config.recompute == "selective")
     used = {gi for n in gm.graph.nodes for gi in n.meta.get(FXPAR_ASSUMES, ())}
     c.assumed = {gi: values[gi].detach().clone() for gi in used}  # checked before each call (the executable)
     return gm
@@ -213,7 +213,7 @@ STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
-    ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, bias+GeLU (Config.fuse)
+    ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, GeLU (Config.fuse; recomputed: "selective")
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)

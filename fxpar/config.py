@@ -16,8 +16,8 @@ class Config:
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
     schedule: str = "1f1b"  # one of cost.pipeline.SCHEDULES; which (p, m, v) it runs: cost.pipeline.check_schedule
     scatter_gather: bool = True  # send 1/t of each boundary activation, all-gather on arrival
-    fuse: bool = True  # fusion passes (bias+GeLU, bias+dropout+add, explicit attention -> SDPA)
-    recompute: str = "none"
+    fuse: bool = True  # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion.py)
+    recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
     bucket_mb: float = 25.0  # data-parallel gradient bucket size

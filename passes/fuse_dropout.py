@@ -1,4 +1,5 @@
-"""Fusion: residual + dropout(y + b) -> bias_dropout_add(y, b, residual, p, train), Megatron's bias-dropout-add.
+"""Fusion: residual + dropout(y + b) -> bias_dropout_add(y, b, residual, p, train), Megatron's bias-dropout-add, where
+the dropout draws; a dropout that is an identity (p = 0, or eval) is removed.
 
 See fusion_match.py for "biased GEMM", and [Note: same random stream] in fused_ops.py for why the fused op draws the
 same mask as the ops it replaces.
@@ -38,8 +39,23 @@ def _random_between(a: Node, b: Node) -> bool:
     return False
 
 
+def identity_dropout_pass(gm: GraphModule) -> GraphModule:
+    """aten.dropout(x, p, train) with p == 0 or train False is x: the node is removed (exact; it draws nothing).
+    Returns gm."""
+    changed = 0
+    for drop in list(gm.graph.nodes):
+        if is_call(drop, aten.dropout.default) and isinstance(drop.args[0], Node) and \
+                (drop.args[1] == 0 or not drop.args[2]):
+            drop.replace_all_uses_with(drop.args[0])
+            erase(gm, [drop])
+            changed += 1
+    return done(gm, changed)
+
+
 def bias_dropout_add_pass(gm: GraphModule) -> GraphModule:
-    """residual + dropout(biased GEMM) -> bias_dropout_add(y, b, residual, p, train).
+    """residual + dropout(biased GEMM) -> bias_dropout_add(y, b, residual, p, train), where the dropout draws (p > 0
+    in training: the fused op keeps a 1-byte mask instead of the float noise; a dropout that is an identity is
+    removed by identity_dropout_pass instead, since fusing it only moves the bias out of the GEMM).
 
     Pattern: aten.dropout(y + b, p, train) whose only user is an add with a residual. Safe: the fused op adds the bias,
     draws its noise exactly as aten.dropout does at the add's position ([Note: same random stream] in fused_ops; the
@@ -56,12 +72,12 @@ def bias_dropout_add_pass(gm: GraphModule) -> GraphModule:
         residual = add.args[1] if add.args[0] is drop else add.args[0]
         m = match_biased(drop.args[0])
         p, train = drop.args[1], drop.args[2]
-        if not isinstance(residual, Node) or m is None or only_user(m.out) is not drop:
+        if not (train and p > 0) or not isinstance(residual, Node) or m is None or only_user(m.out) is not drop:
             continue
         shapes = [val(x) for x in (residual, m.out, add)]
         if any(v is None for v in shapes) or len({tuple(v.shape) for v in shapes}) != 1:
             continue  # the add would broadcast: its gradients would need summing
-        if train and p > 0 and _random_between(drop, add):
+        if _random_between(drop, add):
             continue
         y = split_bias(gm, m)
         fused = new_node(gm, add, fused_ops.bias_dropout_add, (y, m.bias, residual, p, train),

@@ -1,7 +1,12 @@
-"""Fusion: bias + GeLU, folded with the next GEMM (Megatron's bias-GeLU with recomputation).
+"""Fusion: GPT-2's GeLU written out as one aten.gelu, and bias + GeLU folded with the next GEMM (Megatron's
+bias-GeLU with recomputation).
 
-    gelu(y + b)                -> bias_gelu(y, b)
-    linear(gelu(y + b), w)     -> bias_gelu_linear(y, b, w)   when the GEMM is the activation's only user
+    gelu_pass (default)        NewGELU written out (8 elementwise ops, 6 saved tensors) -> aten.gelu(x, "tanh"):
+                               one kernel each way with torch's own autograd, the activation saved as eager does
+    bias_gelu_pass (with recompute="selective": it trades compute for memory, and without a fused kernel behind
+    it that costs time, so it is not a default)
+        gelu(y + b)            -> bias_gelu(y, b)
+        linear(gelu(y + b), w) -> bias_gelu_linear(y, b, w)   when the GEMM is the activation's only user
 
 GeLU is aten.gelu (erf or tanh) or GPT-2's NewGELU written out. See fusion_match.py for "biased GEMM".
 """
@@ -83,6 +88,21 @@ def _second_gemm(h: Node) -> tuple[Node, Node | None, dict] | None:
             return gemm, user, dict(weight=gemm.args[2], out_bias=gemm.args[0], flat_shape=list(user.args[1]),
                                     layout="mm")
     return None
+
+
+def gelu_pass(gm: GraphModule) -> GraphModule:
+    """NewGELU written out -> aten.gelu(x, approximate="tanh"), the same formula to fp32 rounding. Returns gm."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        found = _match_new_gelu(node) if node.graph is gm.graph else None
+        if found is None:
+            continue
+        x, approximate, nodes = found
+        fused = new_node(gm, node, aten.gelu.default, (x,), dict(approximate=approximate), node, "gelu", "gelu")
+        node.replace_all_uses_with(fused)
+        erase(gm, nodes)
+        changed += 1
+    return done(gm, changed)
 
 
 def bias_gelu_pass(gm: GraphModule) -> GraphModule:

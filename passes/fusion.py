@@ -1,4 +1,5 @@
-"""Fusion passes on the per-rank ATen graph: explicit attention -> SDPA, bias+dropout+residual-add, bias+GeLU.
+"""Fusion passes on the per-rank ATen graph: explicit attention -> SDPA, bias+dropout+residual-add, GeLU written out
+-> aten.gelu, and (with selective recompute) bias+GeLU recomputed in backward.
 
 Every pass matches a fixed pattern, checks the conditions under which the rewrite computes the same math, and leaves
 anything else alone: a near miss (a mask of another shape, a scale that is a tensor, softmax over another dim) is no
@@ -6,8 +7,8 @@ match, never a guess. Each pass rewrites in place and returns the same GraphModu
 only when something matched. Fused nodes carry node.meta[FXPAR_FUSED] = the fusion's name, for `fxpar show`.
 
     fuse_attention.py   attention_to_sdpa_pass
-    fuse_dropout.py     bias_dropout_add_pass
-    fuse_gelu.py        bias_gelu_pass
+    fuse_dropout.py     identity_dropout_pass, bias_dropout_add_pass
+    fuse_gelu.py        gelu_pass, bias_gelu_pass
     fusion_match.py     the matching helpers they share
 """
 from __future__ import annotations
@@ -18,18 +19,22 @@ import torch
 from torch.fx import GraphModule
 
 from .fuse_attention import attention_to_sdpa_pass
-from .fuse_dropout import bias_dropout_add_pass
-from .fuse_gelu import bias_gelu_pass
+from .fuse_dropout import bias_dropout_add_pass, identity_dropout_pass
+from .fuse_gelu import bias_gelu_pass, gelu_pass
 from .meta import FXPAR_FUSED, GraphInput
 
-__all__ = ["FXPAR_FUSED", "attention_to_sdpa_pass", "bias_dropout_add_pass", "bias_gelu_pass", "fusion_pass"]
+__all__ = ["FXPAR_FUSED", "attention_to_sdpa_pass", "bias_dropout_add_pass", "bias_gelu_pass", "fusion_pass",
+           "gelu_pass", "identity_dropout_pass"]
 
 
-def fusion_pass(gm: GraphModule, values: Mapping[GraphInput, torch.Tensor] | None = None) -> GraphModule:
-    """All fusions, in order: attention -> SDPA, bias+dropout+add (it takes the second GEMM's bias first, so that
-    bias+GeLU can fold a bias-free GEMM), bias+GeLU. Returns gm, rewritten in place (untouched if nothing matched).
+def fusion_pass(gm: GraphModule, values: Mapping[GraphInput, torch.Tensor] | None = None,
+                recompute_gelu: bool = False) -> GraphModule:
+    """The fusions, in order: attention -> SDPA, dropouts that are identities removed, bias+dropout+add (it takes
+    the second GEMM's bias first, so that bias+GeLU can fold a bias-free GEMM), then the GeLU: written-out GeLU ->
+    aten.gelu, or with recompute_gelu (Config(recompute="selective")) bias+GeLU recomputed in backward and folded
+    with the next GEMM. Returns gm, rewritten in place (untouched if nothing matched).
 
     values: the buffer and constant inputs' tensors (Traced.values), with which a mask is proven causal."""
-    gm = attention_to_sdpa_pass(gm, values)
+    gm = identity_dropout_pass(attention_to_sdpa_pass(gm, values))
     gm = bias_dropout_add_pass(gm)
-    return bias_gelu_pass(gm)
+    return bias_gelu_pass(gm) if recompute_gelu else gelu_pass(gm)

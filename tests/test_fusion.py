@@ -19,7 +19,7 @@ from expecttest import TestCase
 from fxpar.compiler import compile_graph
 from fxpar.measure import saved_activation_bytes
 from fxpar.passes.fusion import (
-    FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, fusion_pass)
+    FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, fusion_pass, gelu_pass)
 from fxpar.passes.meta import resolve_inputs
 from fxpar.trace import trace
 from tests import models
@@ -118,14 +118,38 @@ def _body(gm) -> str:
 # --------------------------------------------------------------------------------------------- golden graphs
 class TestGolden(TestCase):
     def test_mlp_block(self):
+        """The default: the dropout (p = 0) removed, the GEMMs keep their biases, the GeLU is torch's (its activation
+        saved, as eager)."""
         model, x = MLPBlock(), torch.randn(2, 3, 8)
         traced, values = _traced(model, (x,))
         gm = fusion_pass(traced.gm, values)
         self.assertExpectedInline(_body(gm), """\
+    linear = torch.ops.aten.linear.default(x, p_fc1_weight, p_fc1_bias);  p_fc1_weight = p_fc1_bias = None
+    gelu = torch.ops.aten.gelu.default(linear);  linear = None
+    linear_1 = torch.ops.aten.linear.default(gelu, p_fc2_weight, p_fc2_bias);  gelu = p_fc2_weight = p_fc2_bias = None
+    add = torch.ops.aten.add.Tensor(x, linear_1);  x = linear_1 = None
+    return (add,)""")
+
+    def test_mlp_block_with_gelu_recompute(self):
+        """recompute="selective": bias+GeLU folded with the next GEMM, the activation recomputed in backward."""
+        model, x = MLPBlock(), torch.randn(2, 3, 8)
+        traced, values = _traced(model, (x,))
+        gm = fusion_pass(traced.gm, values, recompute_gelu=True)
+        self.assertExpectedInline(_body(gm), """\
     linear = torch.ops.aten.linear.default(x, p_fc1_weight);  p_fc1_weight = None
-    bias_gelu_linear = fxpar_passes_fused_ops_bias_gelu_linear(linear, p_fc1_bias, approximate = 'none', weight = p_fc2_weight, out_bias = None, flat_shape = None, layout = 'linear');  linear = p_fc1_bias = p_fc2_weight = None
-    bias_dropout_add = fxpar_passes_fused_ops_bias_dropout_add(bias_gelu_linear, p_fc2_bias, x, 0.0, True, residual_first = True);  bias_gelu_linear = p_fc2_bias = x = None
-    return (bias_dropout_add,)""")
+    bias_gelu_linear = fxpar_passes_fused_ops_bias_gelu_linear(linear, p_fc1_bias, approximate = 'none', weight = p_fc2_weight, out_bias = p_fc2_bias, flat_shape = None, layout = 'linear');  linear = p_fc1_bias = p_fc2_weight = p_fc2_bias = None
+    add = torch.ops.aten.add.Tensor(x, bias_gelu_linear);  x = bias_gelu_linear = None
+    return (add,)""")
+
+    def test_new_gelu_becomes_aten_gelu(self):
+        model, x = NewGELU(), torch.randn(2, 3, 8)
+        traced, values = _traced(model, (x,))
+        gm = gelu_pass(traced.gm)
+        self.assertExpectedInline(_body(gm), """\
+    linear = torch.ops.aten.linear.default(x, p_fc_weight, p_fc_bias);  x = p_fc_weight = p_fc_bias = None
+    gelu = torch.ops.aten.gelu.default(linear, approximate = 'tanh');  linear = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(gelu, [-1]);  gelu = None
+    return (sum_1,)""")
 
     def test_new_gelu(self):
         model, x = NewGELU(), torch.randn(2, 3, 8)
@@ -148,13 +172,17 @@ class TestGolden(TestCase):
 
 # ------------------------------------------------------------------------------------ numerics, one process
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_mlp_block_numerics(approximate):
-    gm = _same_math(MLPBlock(approximate), (torch.randn(2, 3, 8, requires_grad=True),), fusion_pass)
-    assert {n.meta.get(FXPAR_FUSED) for n in gm.graph.nodes} >= {"bias_gelu_linear", "bias_dropout_add"}
+@pytest.mark.parametrize("recompute_gelu", [False, True])
+def test_mlp_block_numerics(approximate, recompute_gelu):
+    gm = _same_math(MLPBlock(approximate), (torch.randn(2, 3, 8, requires_grad=True),),
+                    functools.partial(fusion_pass, recompute_gelu=recompute_gelu))
+    fused = {n.meta.get(FXPAR_FUSED) for n in gm.graph.nodes}
+    assert "bias_dropout_add" not in fused and ("bias_gelu_linear" in fused) == recompute_gelu, fused  # p = 0
 
 
-def test_new_gelu_numerics():
-    _same_math(NewGELU(), (torch.randn(2, 3, 8, requires_grad=True),), lambda gm, v: bias_gelu_pass(gm))
+@pytest.mark.parametrize("fuse", [gelu_pass, bias_gelu_pass])
+def test_new_gelu_numerics(fuse):
+    _same_math(NewGELU(), (torch.randn(2, 3, 8, requires_grad=True),), lambda gm, v: fuse(gm))
 
 
 def test_bias_dropout_add_draws_the_same_mask():
@@ -186,7 +214,8 @@ def loss_grads_saved(pm, args, kwargs):
 
 def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     """Build `name` for this rank (t=1 in-process, else over the gloo group) and run one step of the unfused graph,
-    of the graph with every fusion ("all") and of the graph with bias+GeLU only ("bias_gelu"); for each fused one:
+    of the graph with the default fusions ("default"), with every fusion ("all": the GeLU recomputed) and with
+    bias+GeLU only ("bias_gelu"); for each fused one:
     the errors against unfused, the fusions made, and the saved activation bytes (also "saved_unfused")."""
     import fxpar
     from fxpar.api import build
@@ -203,7 +232,9 @@ def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     values = pm.traced.values(buffers)
     l0, g0, saved0 = loss_grads_saved(pm, args, kwargs)
     result = {"saved_unfused": saved0}
-    for label, fn in (("all", functools.partial(fusion_pass, values=values)), ("bias_gelu", bias_gelu_pass)):
+    for label, fn in (("default", functools.partial(fusion_pass, values=values)),
+                      ("all", functools.partial(fusion_pass, values=values, recompute_gelu=True)),
+                      ("bias_gelu", bias_gelu_pass)):
         fused = fn(fx.GraphModule(ref, copy.deepcopy(ref.graph)))
         pm.compiled.callables[0] = fused
         l1, g1, saved1 = loss_grads_saved(pm, args, kwargs)
@@ -217,16 +248,19 @@ def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     return result
 
 
-# which fusions each model gets: the example GPT all three; GPT-2 (already SDPA) two; Llama (SDPA, SwiGLU, no biases)
-EXPECTED = {"gpt": {"sdpa", "bias_gelu_linear", "bias_dropout_add"}, "gpt2": {"bias_gelu_linear", "bias_dropout_add"},
-            "llama": set()}
+# which fusions each model gets (dropout is 0 in all three: no bias_dropout_add): the example GPT SDPA and, with the
+# GeLU recomputed, bias_gelu_linear; GPT-2 (already SDPA) its written-out GeLU as one op; Llama (SDPA, SwiGLU, no
+# biases) none
+EXPECTED = {"gpt": {"sdpa", "bias_gelu_linear"}, "gpt2": {"bias_gelu_linear"}, "llama": set()}
+EXPECTED_DEFAULT = {"gpt": {"sdpa"}, "gpt2": {"gelu"}, "llama": set()}
 HIDDEN = 32  # of the example GPT and GPT-2 in tests/models.py, both with 2 layers
 
 
 def _check(name: str, r: dict, t: int) -> None:
-    for label in ("all", "bias_gelu"):
+    for label in ("default", "all", "bias_gelu"):
         assert r[label]["loss_rel"] <= LOSS_REL and r[label]["grad_abs"] <= GRAD_ABS, (name, label, r[label])
     assert EXPECTED[name] <= set(r["all"]["fusions"]), (name, r["all"]["fusions"])
+    assert set(r["default"]["fusions"]) == EXPECTED_DEFAULT[name], (name, r["default"]["fusions"])
     if name != "llama":  # bias+GeLU alone saves at least one [b, s, 4h/t] fp32 activation per MLP
         one_activation = models.BATCH * models.SEQ * 4 * HIDDEN // t * 4
         assert r["saved_unfused"] - r["bias_gelu"]["saved"] >= 2 * one_activation, (name, r)

@@ -217,14 +217,19 @@ def test_lr_scheduler_drives_pm_optimizer(pool2, zero):
 
 
 def test_autocast_around_a_fused_gpt():
-    """torch.autocast around a parallelized (fused) GPT: no dtype clash in the fused backward, and the gradients
-    within bf16 rounding of the unfused program's (which equal eager autocast's exactly)."""
+    """torch.autocast around a parallelized (fused) GPT: no dtype clash in the fused backward (bias+GeLU recomputed,
+    as recompute="selective" fuses it), and the gradients within bf16 rounding of the unfused program's (which
+    equal eager autocast's exactly)."""
     import fxpar
+    from fxpar.passes.meta import FXPAR_FUSED
 
     model, args, _ = models.build("gpt")
     grads = []
     for fuse in (True, False):
-        pm = fxpar.parallelize(copy.deepcopy(model), None, example_args=args, config=fxpar.Config(fuse=fuse))
+        config = fxpar.Config(fuse=fuse, recompute="selective" if fuse else "none")
+        pm = fxpar.parallelize(copy.deepcopy(model), None, example_args=args, config=config)
+        fused = {n.meta.get(FXPAR_FUSED) for n in pm.graph_module.graph.nodes}
+        assert ("bias_gelu_linear" in fused) == fuse, fused
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = pm(*args)
         out.float().sin().sum().backward()
