@@ -58,6 +58,7 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
         json.dumps(extra)
     except TypeError as e:
         raise ValueError(f"fxpar.save: extra must be JSON-serializable (checkpoints load weights only): {e}") from None
+    pm.check_loaded("would save garbage")
     items, layout = model_items(pm), layout_of(pm)
     manifest = {"format": FORMAT, "layout": layout, "keys": {k: list(s) for k, s in pm._shapes.items()},
                 "extra": extra, "rng_seed": getattr(pm.streams, "seed", None)}

@@ -123,12 +123,13 @@ class ParallelModule(nn.Module):
             program.expected_state = expected_state(program.partition.chunks if chunks is None else chunks)
         check_state(self._live, program.expected_state)
 
-    def check_loaded(self, what: str = "runs") -> None:
+    def check_loaded(self, what: str = "would run on garbage") -> None:
+        """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""
         unloaded = [k for k in self._keys if self._aliases.get(k) in self._unloaded]
         if unloaded:
             raise RuntimeError(
                 f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
-                f"({unloaded[0]}, ...) hold no values yet, so it {what} on garbage. Fix: fill them first with "
+                f"({unloaded[0]}, ...) hold no values yet, so it {what}. Fix: fill them first with "
                 "fxpar.load(checkpoint, pm), or pm.load_state_dict(full_state_dict).")
 
     def flatten_inputs(self, args, kwargs) -> list:
@@ -186,7 +187,7 @@ class ParallelModule(nn.Module):
         """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with mixed
         precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
         group (fxpar/optim.py, fxpar/zero.py). Make it before the first step()."""
-        self.check_loaded("would copy its main parameters from them")
+        self.check_loaded("would copy garbage into the optimizer's main parameters")
         config = self._programs.first.config
         if not config.zero:
             if config.mixed_precision is None:

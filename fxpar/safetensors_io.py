@@ -66,6 +66,7 @@ def load_safetensors(path: str, pm) -> None:
 def save_safetensors(path: str, pm, max_shard_mb: float = 5 * 1024) -> str:
     """Write `pm`'s weights as full tensors in Hugging Face's safetensors layout (see the module docstring).
     Collective; rank 0 writes the consolidated files."""
+    pm.check_loaded("would save garbage")
     keys = [k for k in pm._keys if pm._aliases[k] == k]  # tied keys once, as save_pretrained
     mine = {k: Chunked(pm._live[k].detach(), pm._shapes[k], pm.specs.get(k), pm.comm.rank, pm.comm.size)
             for k in keys if k in pm._slots}

@@ -302,8 +302,9 @@ def _params_on_meta(model):
     return model
 
 
-def _from_meta(name, path, layout) -> tuple[str, dict]:
-    """A model built on the meta device, parallelized at `layout`, refused before it is loaded, then loaded."""
+def _from_meta(name, path, layout) -> tuple[list[str], dict]:
+    """A model built on the meta device, parallelized at `layout`: a step, a save and pm.optimizer are refused
+    before it is loaded; then it is loaded."""
     import fxpar
 
     if name == "gpt":
@@ -318,11 +319,14 @@ def _from_meta(name, path, layout) -> tuple[str, dict]:
                            example_kwargs=kwargs, loss_fn=_loss, config=fxpar.Config(microbatches=2))
     held = {k: (v.device.type, v.numel()) for k, v in pm.held().items()}
     assert all(device == "cpu" for device, _ in held.values()), held
-    try:
-        pm.step(example, target=example, **kwargs)
-        refused = "no error"
-    except RuntimeError as e:
-        refused = str(e)
+    refused = []
+    for attempt in (lambda: pm.step(example, target=example, **kwargs), lambda: fxpar.save(path + "-x", pm),
+                    lambda: pm.optimizer(torch.optim.AdamW)):
+        try:
+            attempt()
+            refused.append("no error")
+        except RuntimeError as e:
+            refused.append(str(e))
     fxpar.load(path, pm)
     return refused, {k: v.clone() for k, v in pm.full_state_dict().items()}
 
@@ -334,7 +338,8 @@ def test_a_meta_device_model_materializes_only_its_shards(pool2, tmp_path, name)
     path = str(tmp_path / "ckpt")
     full = pool2.run(_save_and_gather, name, path, _layout(d=2))[0]
     for refused, loaded in pool2.run(_from_meta, name, path, _layout(t=2)):
-        assert "built on the meta device" in refused and "fxpar.load" in refused, refused
+        for message, what in zip(refused, ("would run on garbage", "would save garbage", "optimizer's main")):
+            assert "built on the meta device" in message and what in message and "fxpar.load" in message, message
         assert set(loaded) == set(full)
         for k, v in full.items():
             assert torch.equal(loaded[k], v), k
