@@ -68,7 +68,7 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
                       for k, states in tensors.items() for name, t in states.items()})
         manifest["optimizer"] = {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                                  "param_groups": [_hyper(g) for g in optimizer.param_groups]}
-    items.update(rng_items(pm, layout))
+    items.update(rng_items(pm))
     partial = path + ".partial"
     leader = _rank() == 0
     if leader and os.path.exists(partial):
@@ -119,7 +119,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         targets = _optimizer_targets(pm, saved)
         items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
                       for k, states in targets.items() for name, t in states.items()})
-    rng = rng_items(pm, layout) if manifest["layout"] == layout else {}
+    rng = rng_items(pm) if manifest["layout"] == layout else {}
     items.update(rng)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
@@ -167,7 +167,8 @@ def model_items(pm) -> dict[str, Chunked]:
             for k in pm._keys if k in pm._slots}
 
 
-def rng_items(pm, layout: dict) -> dict[str, Chunked]:
+def rng_items(pm) -> dict[str, Chunked]:
+    """rng/<tp>.<pp>.<dp>/<stream> -> this rank's random stream states ([Note: random streams] in passes/rng.py)."""
     g = getattr(pm, "groups", None)
     where = f"{pm.comm.rank}.{g.pp_rank if g else 0}.{g.dp_rank if g else 0}"
     return {f"rng/{where}/{name}": Chunked(state.clone(), tuple(state.shape), None, 0, 1)
