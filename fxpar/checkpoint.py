@@ -3,16 +3,17 @@
     fxpar.save("ckpt/step-100", pm, optimizer=opt, extra={"step": 100, "data": position})
     extra = fxpar.load("ckpt/step-100", pm, optimizer=opt)        # any other layout of the same model
 
-What a checkpoint holds, each rank writing only its own shards ([Note: chunks] in fxpar/chunks.py), under the
-original model's keys with their full shapes, in the original layout (head-interleaved projections un-interleaved):
+What a checkpoint holds, each rank writing only its own shards (as DCP chunks of the full tensors:
+fxpar/chunks.py), under the original model's keys with their full shapes, in the original layout
+(head-interleaved projections un-interleaved):
     model/<key>            every state_dict key of the model, tied keys included (the model's own state_dict)
     optim/<key>/main       the fp32 main parameter (mixed precision, or the distributed optimizer's pieces joined)
     optim/<key>/<state>    the optimizer's state of that parameter (Adam's exp_avg, exp_avg_sq, step), full shape,
                            whatever d it was sharded over (Config(zero=1) pieces are all-gathered over dp to save
                            and cut again to load)
     rng/<tp>.<pp>.<dp>/... each rank's random streams, restored when the layout is unchanged
-    fxpar.json             the manifest, written last: layout, keys, the optimizer's class and hyperparameters,
-                           `extra`, and every file's size
+    fxpar.json             the manifest, written last: the layout, the optimizer's class and hyperparameters,
+                           `extra`, and every file's size (keys and shapes are DCP's own metadata)
 The directory is a DCP checkpoint: `torch.distributed.checkpoint.load({"model/" + k: t ...}, checkpoint_id=path)`
 reads it into any layout, and `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` converts it.
 
@@ -33,8 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fxpar.chunks import Chunked, LoadPlanner, SafeReader, SavePlanner
-from fxpar.safetensors_io import is_safetensors_dir, load_safetensors, save_safetensors
+from fxpar.chunks import Chunked, LoadPlanner, SafeReader, SavePlanner, barrier, is_leader
 
 MANIFEST = "fxpar.json"
 FORMAT = "fxpar-checkpoint-1"
@@ -53,6 +53,8 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
         if optimizer is not None or extra is not None:
             raise ValueError("fxpar.save: format='safetensors' holds the weights only; save the optimizer and extra "
                              "in the default format='dcp'")
+        from fxpar.safetensors_io import save_safetensors
+
         return save_safetensors(path, pm, max_shard_mb)
     try:
         json.dumps(extra)
@@ -60,24 +62,22 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
         raise ValueError(f"fxpar.save: extra must be JSON-serializable (checkpoints load weights only): {e}") from None
     pm.check_loaded("would save garbage")
     items, layout = model_items(pm), layout_of(pm)
-    manifest = {"format": FORMAT, "layout": layout, "keys": {k: list(s) for k, s in pm._shapes.items()},
-                "extra": extra, "rng_seed": getattr(pm.streams, "seed", None)}
+    manifest = {"format": FORMAT, "layout": layout, "extra": extra}
     if optimizer is not None:
-        tensors = optimizer_tensors(pm, optimizer)
-        items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
-                      for k, states in tensors.items() for name, t in states.items()})
+        items.update(optimizer_items(optimizer_tensors(pm, optimizer), pm))
         manifest["optimizer"] = {"class": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                                  "param_groups": [_hyper(g) for g in optimizer.param_groups]}
     items.update(rng_items(pm))
     partial = path + ".partial"
-    leader = _rank() == 0
+    leader = is_leader()
     if leader and os.path.exists(partial):
         shutil.rmtree(partial)
-    _barrier()
+    barrier()
     try:
         dcp.save(items, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), planner=SavePlanner())
     except RuntimeError as e:  # a rank died or failed mid-save: the others' collectives fail
-        raise RuntimeError(f"fxpar.save: rank {_rank()}: the save into {partial} failed, on this rank or another "
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(f"fxpar.save: rank {rank}: the save into {partial} failed, on this rank or another "
                            f"({e}). Checkpoints saved before are untouched; {partial} is incomplete and fxpar.load "
                            "refuses it.") from e
     if leader:
@@ -89,7 +89,7 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
         os.rename(partial, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
         shutil.rmtree(aside, ignore_errors=True)
-    _barrier()
+    barrier()
     return path
 
 
@@ -97,6 +97,8 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     """Read the checkpoint at `path` into `pm` (and `optimizer`), whatever layout it was saved at; every rank calls
     it (collective). Returns the `extra` it was saved with. A directory of Hugging Face safetensors files (a
     save_pretrained directory) loads the weights, each rank reading only its slices (fxpar/safetensors_io.py)."""
+    from fxpar.safetensors_io import is_safetensors_dir, load_safetensors
+
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, MANIFEST)) and is_safetensors_dir(path):  # Hugging Face weights
         if optimizer is not None:
@@ -108,7 +110,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     manifest = read_manifest(path)
     reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    _check_keys(path, pm, manifest, saved)
+    _check_keys(path, pm, saved)
     layout = layout_of(pm)
     items = model_items(pm)
     targets = {}
@@ -117,8 +119,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
             raise ValueError(f"fxpar.load: {path} was saved without an optimizer; load it with optimizer=None")
         _check_optimizer(path, optimizer, manifest["optimizer"])
         targets = _optimizer_targets(pm, saved)
-        items.update({f"optim/{k}/{name}": Chunked(t, _full(pm, k, t), _spec(pm, k, t), *_tp(pm))
-                      for k, states in targets.items() for name, t in states.items()})
+        items.update(optimizer_items(targets, pm))
     rng = rng_items(pm) if manifest["layout"] == layout else {}
     items.update(rng)
     with torch.no_grad():
@@ -148,23 +149,14 @@ def layout_of(pm) -> dict:
             "vpp": pm._programs.first.config.virtual_stages}
 
 
-def _tp(pm) -> tuple[int, int]:
-    return pm.comm.rank, pm.comm.size
-
-
-def _spec(pm, key: str, local: torch.Tensor):
-    """The tp layout of `key`'s tensor (None: replicated; a scalar optimizer state is replicated too)."""
-    return pm.specs.get(pm._aliases[key]) if local.dim() else None
-
-
-def _full(pm, key: str, local: torch.Tensor) -> tuple[int, ...]:
-    return pm._shapes[key] if local.dim() else ()
-
-
 def model_items(pm) -> dict[str, Chunked]:
     """model/<key> -> this rank's tensor of every key it holds, tied keys included."""
-    return {f"model/{k}": Chunked(pm._live[k].detach(), pm._shapes[k], pm.specs.get(pm._aliases[k]), *_tp(pm))
-            for k in pm._keys if k in pm._slots}
+    return {f"model/{k}": Chunked.of(pm, k) for k in pm._keys if k in pm._slots}
+
+
+def optimizer_items(tensors: dict[str, dict[str, torch.Tensor]], pm) -> dict[str, Chunked]:
+    """optim/<key>/<name> -> each optimizer tensor of `key` (see optimizer_tensors), in its parameter's layout."""
+    return {f"optim/{k}/{name}": Chunked.of(pm, k, t) for k, states in tensors.items() for name, t in states.items()}
 
 
 def rng_items(pm) -> dict[str, Chunked]:
@@ -183,8 +175,7 @@ def optimizer_tensors(pm, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
     params = trainable(pm)
     if isinstance(optimizer, DistributedOptimizer):
-        return {k: {name: _joined(optimizer, t, params[k]) for name, t in _with_main(optimizer, k).items()}
-                for k in params}
+        return _joined(optimizer, {k: _with_main(optimizer, k) for k in params}, params)
     if isinstance(optimizer, MainParamsOptimizer):
         return {k: _with_main(optimizer, k) for k in params}
     key_of = {p: k for k, p in params.items()}
@@ -216,16 +207,16 @@ def _checked(key: str, state: dict, param: torch.Tensor) -> dict[str, torch.Tens
     return out
 
 
-def _joined(optimizer, piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The distributed optimizer's dp pieces of one tensor, all-gathered into its local shape."""
-    if not piece.dim():
-        return piece
-    everyone = torch.empty(optimizer.d * piece.numel(), dtype=piece.dtype, device=piece.device)
-    if optimizer.d > 1:
-        dist.all_gather_into_tensor(everyone, piece.contiguous(), group=optimizer.group)
-    else:
-        everyone.copy_(piece)
-    return everyone[:param.numel()].view(param.shape)
+def _joined(optimizer, pieces: dict[str, dict[str, torch.Tensor]], params: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The distributed optimizer's pieces (key -> name -> piece) joined into the parameters' local shapes: one
+    all-gather over dp per state name (every dp rank holds the same names and shapes); scalars are kept."""
+    out = {k: {n: t for n, t in states.items() if not t.dim()} for k, states in pieces.items()}
+    for name in sorted({n for states in pieces.values() for n, t in states.items() if t.dim()}):
+        keys = [k for k, states in pieces.items() if name in states]
+        mine = [pieces[k][name] for k in keys]
+        for k, full in zip(keys, optimizer.gather(mine, [params[k] for k in keys], mine[0].dtype)):
+            out[k][name] = full
+    return out
 
 
 # ---- what a rank loads ------------------------------------------------------------------------------------------
@@ -252,15 +243,15 @@ def set_optimizer_tensors(pm, optimizer, tensors: dict[str, dict[str, torch.Tens
     from fxpar.optim import MainParamsOptimizer, trainable
     from fxpar.zero import DistributedOptimizer, pieces
 
-    params = trainable(pm)
-    for key, p in params.items():
+    def mine(t):  # this dp rank's piece ([Note: pieces] in fxpar/zero.py)
+        return pieces(t.reshape(-1), optimizer.d)[optimizer.r].clone() if t.dim() else t
+
+    for key, p in trainable(pm).items():
         states = dict(tensors.get(key, {}))
         main = states.pop("main", None)
         if main is None:
             main = p.detach()
         if isinstance(optimizer, DistributedOptimizer):
-            def mine(t, d=optimizer.d, r=optimizer.r):
-                return pieces(t.reshape(-1), d)[r].clone() if t.dim() else t
             target = optimizer.main[key]
             target.data.copy_(mine(main.float()))
             optimizer.optimizer.state[target] = {n: mine(t) for n, t in states.items()}
@@ -318,7 +309,7 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def _check_keys(path: str, pm, manifest: dict, saved: dict) -> None:
+def _check_keys(path: str, pm, saved: dict) -> None:
     mine = [k for k in pm._keys if k in pm._slots]
     missing = [k for k in mine if f"model/{k}" not in saved]
     if missing:
@@ -348,11 +339,3 @@ def _fsync_dir(path: str) -> None:
     finally:
         os.close(fd)
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -16,7 +16,9 @@ from __future__ import annotations
 import pickle
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+import torch.distributed as dist
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader,
+                                          HuggingFaceStorageReader)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -55,6 +57,15 @@ class Chunked:
                 offsets[self.dim] = global_start
             view = local.narrow(self.dim, local_start, n) if full_shape else local
             self.pieces[torch.Size(offsets)] = view
+
+    @classmethod
+    def of(cls, pm, key: str, local: torch.Tensor | None = None) -> Chunked:
+        """`local` (default: the tensor `pm` holds under `key`) as chunks of `key`'s full tensor, in `key`'s tp
+        layout; a scalar (an optimizer's step count) is replicated."""
+        local = pm._live[key].detach() if local is None else local
+        if not local.dim():
+            return cls(local, (), None, 0, 1)
+        return cls(local, pm._shapes[key], pm.specs.get(pm._aliases[key]), pm.comm.rank, pm.comm.size)
 
     def size(self) -> torch.Size:
         return self.full_shape
@@ -131,9 +142,20 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "metadata; refusing to unpickle it (checkpoints load weights only)")
 
 
-class SafeReader(FileSystemReader):
-    """torch's FileSystemReader, reading the metadata file with `_MetadataUnpickler` instead of pickle.load."""
+class ReadsMetadataOnce:
+    """A storage reader mixin: the metadata is read once, for fxpar's checks and then for dcp.load."""
 
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self, "_metadata", None) is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+class HFReader(ReadsMetadataOnce, HuggingFaceStorageReader):
+    """torch's Hugging Face safetensors reader, reading every file's header once."""
+
+
+class _SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
@@ -144,3 +166,17 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeReader(ReadsMetadataOnce, _SafeFileSystemReader):
+    """torch's FileSystemReader, reading the metadata file (once) with `_MetadataUnpickler` instead of pickle.load."""
+
+
+def is_leader() -> bool:
+    """Rank 0 of the default group, or the only process: the rank that writes and renames a checkpoint's files."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -28,7 +28,7 @@ from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_spe
 from fxpar.passes.canonicalize import cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
 from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.gemm_forms import gemm_forms_pass
-from fxpar.passes.local_shapes import local_shapes_pass, meta_state_device, place_meta_state_pass
+from fxpar.passes.local_shapes import input_device, local_shapes_pass, meta_state_device, place_meta_state_pass
 from fxpar.passes.lower_schedule import Program, lower_program
 from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
 from fxpar.passes.ops import TPComm
@@ -97,8 +97,7 @@ class Compiled:
     @property
     def target_device(self) -> torch.device:
         """Where weights built on the meta device are materialized: where the inputs are (the CPU if none)."""
-        return next((v.device for v in self.traced.example_inputs if isinstance(v, torch.Tensor)),
-                    torch.device("cpu"))
+        return input_device(self.traced.gm)
 
 
 # ---------------------------------------------------------------------------------------------------- the stages

@@ -20,11 +20,10 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from fxpar.chunks import Chunked, LoadPlanner, SavePlanner
+from fxpar.chunks import Chunked, HFReader, LoadPlanner, SavePlanner, barrier, is_leader
 
 SUFFIX = ".safetensors"
 
@@ -35,7 +34,7 @@ def is_safetensors_dir(path: str) -> bool:
 
 def load_safetensors(path: str, pm) -> None:
     """Read a directory of safetensors files into `pm` (see the module docstring). Collective."""
-    reader = HuggingFaceStorageReader(path)
+    reader = HFReader(path)
     saved = reader.read_metadata().state_dict_metadata
     mine = [k for k in pm._keys if k in pm._slots]
     by_tensor: dict[str, list[str]] = {}
@@ -55,9 +54,7 @@ def load_safetensors(path: str, pm) -> None:
             raise ValueError(f"fxpar.load: {path} holds {source} of shape {tuple(saved[source].size)}; the model's "
                              f"{key} is {tuple(pm._shapes[key])}")
         if source not in items:
-            local = pm._live[key].detach()
-            items[source] = Chunked(local, pm._shapes[key], pm.specs.get(pm._aliases[key]), pm.comm.rank,
-                                    pm.comm.size)
+            items[source] = Chunked.of(pm, key)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
     pm._unloaded.clear()
@@ -68,8 +65,7 @@ def save_safetensors(path: str, pm, max_shard_mb: float = 5 * 1024) -> str:
     Collective; rank 0 writes the consolidated files."""
     pm.check_loaded("would save garbage")
     keys = [k for k in pm._keys if pm._aliases[k] == k]  # tied keys once, as save_pretrained
-    mine = {k: Chunked(pm._live[k].detach(), pm._shapes[k], pm.specs.get(k), pm.comm.rank, pm.comm.size)
-            for k in keys if k in pm._slots}
+    mine = {k: Chunked.of(pm, k) for k in keys if k in pm._slots}
     index, size, limit = {}, 0, max_shard_mb * 2**20
     files = 1
     for k in keys:  # every rank knows every key's full shape; the dtype is the same on every stage
@@ -77,16 +73,14 @@ def save_safetensors(path: str, pm, max_shard_mb: float = 5 * 1024) -> str:
         if size and size + nbytes > limit:
             files, size = files + 1, 0
         index[k], size = files, size + nbytes
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_leader()
     if rank0 and os.path.exists(path):
         shutil.rmtree(path)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     writer = HuggingFaceStorageWriter(path, fqn_to_index_mapping=index, save_distributed=True,
                                       enable_consolidation=True)
     dcp.save(mine, storage_writer=writer, planner=SavePlanner())
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     if rank0:
         shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
     return path

@@ -100,15 +100,21 @@ class DistributedOptimizer(WrappedOptimizer):
         if self._skip():
             return
         self.optimizer.step()
-        mine = torch.cat([m.detach().reshape(-1) for m in self.main.values()]).to(self._gather_dtype)
-        everyone = torch.empty(self.d * mine.numel(), dtype=mine.dtype, device=mine.device)
+        params = list(self.params.values())
+        for p, full in zip(params, self.gather(list(self.main.values()), params, self._gather_dtype)):
+            p.copy_(full.to(p.dtype))
+
+    def gather(self, mine: list[torch.Tensor], like: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's pieces of tensors shaped like `like`, all-gathered over dp in one collective (in `dtype`):
+        the whole tensors ([Note: pieces]). The step rebuilds the parameters with it, checkpoints the state."""
+        flat = torch.cat([m.detach().reshape(-1) for m in mine]).to(dtype)
+        everyone = torch.empty(self.d * flat.numel(), dtype=flat.dtype, device=flat.device)
         if self.d > 1:
-            dist.all_gather_single(everyone, mine, group=self.group)
+            dist.all_gather_single(everyone, flat, group=self.group)
         else:
-            everyone.copy_(mine)
-        rows = everyone.view(self.d, -1)
-        offset = 0
-        for k, p in self.params.items():
-            n = self.main[k].numel()
-            p.copy_(rows[:, offset:offset + n].reshape(-1)[:p.numel()].view_as(p).to(p.dtype))
-            offset += n
+            everyone.copy_(flat)
+        rows, out, offset = everyone.view(self.d, -1), [], 0
+        for m, p in zip(mine, like):
+            out.append(rows[:, offset:offset + m.numel()].reshape(-1)[:p.numel()].view(p.shape))
+            offset += m.numel()
+        return out

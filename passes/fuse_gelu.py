@@ -94,7 +94,7 @@ def gelu_pass(gm: GraphModule) -> GraphModule:
     """NewGELU written out -> aten.gelu(x, approximate="tanh"), the same formula to fp32 rounding. Returns gm."""
     changed = 0
     for node in list(gm.graph.nodes):
-        found = _match_new_gelu(node) if node.graph is gm.graph else None
+        found = _match_new_gelu(node)  # a match's nodes all precede `node`: nothing later is erased
         if found is None:
             continue
         x, approximate, nodes = found

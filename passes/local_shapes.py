@@ -40,17 +40,20 @@ def local_fake_inputs(gm: GraphModule, specs: dict[str, Shard], t: int, mode: Fa
     return out
 
 
+def input_device(gm: GraphModule) -> torch.device:
+    """The device of the model's first tensor input (the CPU if it has none): where its weights live."""
+    return next((v.device for n in placeholders(gm) if not input_of(n).is_state
+                 for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+
 def meta_state_device(gm: GraphModule) -> torch.device | None:
-    """Where weights traced on the meta device will live: the device of the model's inputs (None when no weight is
-    on meta, or no input says; then the CPU)."""
-    state, inputs = [], []
-    for n in placeholders(gm):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            (state if input_of(n).is_state else inputs).append(v.device)
-    if not any(d.type == "meta" for d in state):
+    """Where weights traced on the meta device are to be placed: the inputs' device; None when no weight is on
+    meta, or the inputs are on meta too (a simulated rank: nothing is placed)."""
+    device = input_device(gm)
+    if device.type == "meta":
         return None
-    return next((d for d in inputs if d.type != "meta"), torch.device("cpu"))
+    state = [n.meta.get("val") for n in placeholders(gm) if input_of(n).is_state]
+    return device if any(isinstance(v, torch.Tensor) and v.is_meta for v in state) else None
 
 
 def place_meta_state_pass(gm: GraphModule, device: torch.device) -> GraphModule:
