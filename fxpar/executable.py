@@ -25,7 +25,8 @@ from fxpar.passes.plan import Plan, WeightShard, make_plan
 from fxpar.precision import Grads, LossScaler
 from fxpar.programs import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
-from fxpar.weights import LiveState, check_state, expected_state, load_full_or_local
+from fxpar.weights import (LiveState, check_state, expected_state, from_model_spelling, has_state_hooks,
+                           load_full_or_local, tensor_keys, to_model_spelling)
 
 
 def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
@@ -50,8 +51,9 @@ class ParallelModule(nn.Module):
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
         self._aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
-        self._keys = list(model.state_dict(keep_vars=True))  # persistent keys, in the model's order
-        self._shapes = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}  # global shapes
+        self._keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
+        self._shapes = {k: tuple(originals[k].shape) for k in self._keys}  # global shapes
+        self.__dict__["_spelling"] = model if has_state_hooks(model) else None  # whose hooks spell the state
         self.specs = {self._aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
         slots, unloaded = {}, set()
@@ -109,7 +111,7 @@ class ParallelModule(nn.Module):
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
         partition = program.partition if program.target.pipelined else None
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
-                         program.traced.loss_note)
+                         program.traced.loss_note, program.tp_graph)
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
@@ -165,7 +167,10 @@ class ParallelModule(nn.Module):
     # ---- weights ------------------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load the original model's state (full tensors under its keys: each is sharded to this rank) or this
-        rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped."""
+        rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped. The model's
+        own spelling of its state (its load pre-hooks: [Note: state-dict hooks] in fxpar/weights.py) is taken too."""
+        if self._spelling is not None and not set(state_dict) <= set(self._aliases):
+            state_dict = from_model_spelling(self._spelling, state_dict)
         return load_full_or_local(self, state_dict, strict, assign)
 
     def manual_seed(self, seed: int) -> None:
@@ -205,9 +210,16 @@ class ParallelModule(nn.Module):
         """Raise fxpar.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""
         check_replicas(self, grads)
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original state_dict keys, tied keys included (collective over the tp group).
+        """What model.state_dict() of the unmodified model returns: full tensors under its keys, tied keys included,
+        in the model's own spelling (its state-dict hooks run: [Note: state-dict hooks]). Collective over the tp
+        group (and the pp group of a pipeline: every rank receives the whole dict)."""
+        full = self.full_tensors()
+        return full if self._spelling is None else to_model_spelling(self._spelling, full)
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors under their parameter and buffer keys, tied keys included (collective over the tp group).
 
         On a pipeline stage, only the keys the stage holds."""
         full = {}

@@ -216,9 +216,9 @@ class PipelineModule(ParallelModule):
         return out
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original keys, gathered over tp and pp; every rank receives the whole dict."""
-        mine = super().full_state_dict()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors under their keys, gathered over tp and pp; every rank receives the whole dict."""
+        mine = super().full_tensors()
         if self.groups.pp == 1:
             return mine
         parts = [None] * self.groups.pp

@@ -104,3 +104,73 @@ def _local_value(key: str, value: torch.Tensor, spec: Shard | None, current: tor
         full[spec.dim] = spec.size
     raise ValueError(f"fxpar: load_state_dict: {key} has shape {tuple(value.shape)}; expected the full "
                      f"{tuple(full)} or this rank's shard {tuple(current.shape)}")
+
+
+# ---- the model's own spelling of its state ([Note: state-dict hooks]) ------------------------------------------------
+# [Note: state-dict hooks]
+#     A module may rename or re-split its state when saved (a fused `wqkv` saved as `wq`, `wk`, `wv` by a state-dict
+#     hook, and fused again by a load pre-hook). fxpar holds, shards and checkpoints the tensors under their own keys
+#     (the paths of the parameters and persistent buffers: `tensor_keys`), and speaks the model's spelling at the
+#     edges: `pm.full_state_dict()` returns what `model.state_dict()` returns (the hooks run on the full tensors), and
+#     `pm.load_state_dict` takes that spelling back (the load pre-hooks run first), as torch's own calls do.
+
+def _own_keys(module: nn.Module) -> list[str]:
+    """The names of a module's own parameters and persistent buffers (not its children's), as it saves them."""
+    return [k for k, p in module._parameters.items() if p is not None] + [
+        k for k, b in module._buffers.items() if b is not None and k not in module._non_persistent_buffers_set]
+
+
+def tensor_keys(model: nn.Module) -> list[str]:
+    """The keys model.state_dict() has without its hooks: every parameter and persistent buffer under its module
+    path, in the model's order (a tensor shared by two modules under both paths)."""
+    keys = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        keys.extend(prefix + k for k in _own_keys(module))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(model, "")
+    return keys
+
+
+def has_state_hooks(model: nn.Module) -> bool:
+    """Whether any module of the model changes how its state is saved or loaded."""
+    return any(m._state_dict_hooks or m._state_dict_pre_hooks or m._load_state_dict_pre_hooks
+               for m in model.modules())
+
+
+def to_model_spelling(model: nn.Module, state: dict) -> dict:
+    """`state` (under tensor_keys) as model.state_dict() spells it: every module's state-dict pre-hooks and hooks
+    run in torch's order (a module's hooks after its children's, on the dict built so far), on the full tensors;
+    keys `state` lacks (another pipeline stage's) are left out."""
+    def visit(module: nn.Module, prefix: str, destination: dict) -> dict:
+        for hook in module._state_dict_pre_hooks.values():
+            hook(module, prefix, False)
+        destination.update((prefix + k, state[prefix + k]) for k in _own_keys(module) if prefix + k in state)
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix + name + ".", destination)  # a child's returned dict is dropped, as in torch
+        for hook in module._state_dict_hooks.values():
+            result = hook(module, destination, prefix, {})
+            destination = destination if result is None else result
+        return destination
+
+    return visit(model, "", {})
+
+
+def from_model_spelling(model: nn.Module, state: Mapping) -> dict:
+    """A state dict in the model's own spelling, under tensor_keys: every module's load pre-hooks run, parents first,
+    as load_state_dict runs them."""
+    state = dict(state)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for hook in module._load_state_dict_pre_hooks.values():
+            hook(state, prefix, {}, True, [], [], [])
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix + name + ".")
+
+    visit(model, "")
+    return state

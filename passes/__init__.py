@@ -8,8 +8,9 @@ fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing he
     placements.py      Replicate, Partial, Shard (with the head-interleaved layout)
     rules.py, reshape.py, fused.py
                        one sharding rule per ATen op family; views; fused projections (Q|K|V, gate|up)
-    analysis.py, vocab.py, plan.py
-                       regions of column- then row-parallel GEMMs, the vocab-parallel embedding and head; the plan
+    analysis.py, vocab.py, plan.py, comm_audit.py
+                       regions of column- then row-parallel GEMMs, the vocab-parallel embedding and head; the plan,
+                       with each layer's collectives against Megatron's 2 + 2
     tp.py, ops.py      the tensor-parallel rewrite and the collectives it inserts (f, g, gather, scatter)
     local_shapes.py    this rank's shapes on every node
     fusion.py (fuse_attention.py, fuse_dropout.py, fuse_gelu.py, fusion_match.py, fused_ops.py)

@@ -36,6 +36,14 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     scatters in the output of an undecided seed (through layout ops only) is grown again with that seed as one of
     its own, and keeps the larger region only if it is proven too.
 
+[Note: low-rank pairs]
+    A row-parallel GEMM all-reduces its output; one that outputs more features than it contracts (the up-projection
+    of a low-rank pair: MLA's q_a_proj -> q_b_proj, a gate's f_a -> f_b, h -> r -> w with w > r) would all-reduce w
+    values per token where gathering its input would move r. Megatron-Core shards MLA the other way: the
+    down-projection replicated (r*h redundant FLOPs per token), the up-projection column-parallel. So a region with
+    such a row GEMM is refused, the seeds it is computed from stay replicated, and the rest of its seeds are grown
+    again; the up-projection, which then reads a replicated activation, is a seed of its own.
+
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
     the GEMM replicated (the plan names the other use); a bias read elsewhere stays whole and is scattered into the
@@ -293,6 +301,41 @@ def _seed_input(g: Node) -> Node:
     return g.args[GEMM_WEIGHT_ARG[g.target][1]]
 
 
+class WideRow(NoRule):
+    """A proven region whose g would all-reduce more values per token than its f: a low-rank pair."""
+
+    def __init__(self, message: str, seeds: set[Node]):
+        super().__init__(message)
+        self.seeds = seeds
+
+
+def _check_widths(got: dict[Node, Decision], subset) -> None:
+    """[Note: low-rank pairs] Raise WideRow if a row GEMM of the region outputs more features than it contracts,
+    naming the seeds it is computed from."""
+    for r, d in got.items():
+        if d.role != "row":
+            continue
+        out, contracted = r.meta["val"].shape[-1], _seed_input(r).meta["val"].shape[-1]
+        seeds = {s for s in subset if s in _upstream_in(r, got)}
+        if out <= contracted or not seeds:
+            continue
+        names = ", ".join(_describe(s) for s in sorted(seeds, key=lambda s: s.name))
+        raise WideRow(f"{names} stays replicated: as a region with {_describe(r)}, that row-parallel GEMM would "
+                      f"all-reduce {out} values per token, more than the {contracted} it contracts (a low-rank pair); "
+                      "its up-projection reads it replicated instead", seeds)
+
+
+def _upstream_in(n: Node, got: dict) -> set[Node]:
+    """The nodes of the region `got` that n is computed from."""
+    seen, todo = set(), [n]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in got and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
 def _subsets(seeds: list[Node]):
     """Seed subsets, largest first (all subsets for small groups, else the whole and each single seed)."""
     if len(seeds) <= 6:
@@ -376,15 +419,21 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 seeds_to_try = []
             else:
                 seeds_to_try = _subsets(seeds)
-            for subset in seeds_to_try:
+            pending = list(seeds_to_try)
+            while pending:
+                subset = pending.pop(0)
                 ctx = Ctx(dict(placements), t, params)
                 try:
                     got, specs = _grow(list(subset), ctx, order, frozen, activations)
+                    _check_widths(got, subset)
                 except NoRule as e:
                     if first_error is None:
                         e = _blocked_by(e, subset, placements, params, order, frozen, activations)
                         first_error = f"{e} (module {module_path(seeds[0]) or '<root>'})"
                         region.indivisible = isinstance(e, Indivisible)
+                    rest = tuple(s for s in subset if s not in getattr(e, "seeds", subset))
+                    if rest:  # WideRow: the same seeds less the low-rank ones, next
+                        pending.insert(0, rest)
                     continue
                 subset, ctx, got, specs = _pull_in(list(subset), ctx, got, specs, candidates, placements, order,
                                                    frozen, activations)

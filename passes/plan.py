@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from .analysis import Analysis, Region
+from .comm_audit import OUTSIDE, LayerComm, audit
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Plan:
     weights: tuple[WeightShard, ...]
     stages: tuple[tuple[int, int, tuple[int, ...], tuple[str, ...]], ...] = ()  # (chunk, pp rank, layers, sends)
     logits: str = ""  # what becomes of the LM head's logits: gathered (why), or kept sharded into the loss ops
+    comm: tuple[LayerComm, ...] = ()  # each layer's collectives against Megatron's 2 + 2 (passes/comm_audit.py)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -56,6 +58,26 @@ class Plan:
                 for w in self.weights]
         return tabulate(rows, headers=["weight", "global", "placement", "local"])
 
+    @property
+    def above_bound(self) -> list[LayerComm]:
+        """The layers that communicate more than Megatron's layout, each with its note."""
+        return [c for c in self.comm if c.above_bound]
+
+    def comm_table(self) -> str:
+        """One row per run of consecutive layers with the same counts (`model.layers.0..11`)."""
+        runs: list[list] = []
+        for c in self.comm:
+            key = (len(c.forward), len(c.backward), len(c.small), c.above_bound)
+            if runs and runs[-1][0] == key and OUTSIDE not in (c.layer, runs[-1][1][-1].layer):
+                runs[-1][1].append(c)
+            else:
+                runs.append([key, [c]])
+        rows = []
+        for (fwd, bwd, small, _), cs in runs:
+            span = cs[0].layer if len(cs) == 1 else f"{cs[0].layer}..{cs[-1].layer.rsplit('.', 1)[-1]}"
+            rows.append([span, fwd, bwd, small, cs[0].note])
+        return tabulate(rows, headers=["layers", "forward", "backward", "small", "above Megatron's 2 + 2 (why)"])
+
     def stage_table(self) -> str:
         def span(layers):
             return f"{layers[0]}..{layers[-1]}" if len(layers) > 1 else (layers[0] if layers else "-")
@@ -69,14 +91,19 @@ class Plan:
             f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
         )
         text += f"\n\nlogits: {self.logits}" if self.logits else ""
+        text += f"\n\nactivation all-reduces per layer\n{self.comm_table()}" if any(
+            c.forward or c.backward or c.small for c in self.comm) else ""
         return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
 
-def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "") -> Plan:
+def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "",
+              tp_graph=None) -> Plan:
     """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
-    not traced with the model (fxpar/trace.py)."""
+    not traced with the model (fxpar/trace.py); tp_graph (the graph after tensor parallelism) adds each layer's
+    collectives."""
     stages = () if partition is None else tuple(
         (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
     logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
     logits = "; ".join(x for x in (logits, loss_note) if x)
-    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits)
+    comm = audit(tp_graph) if tp_graph is not None and analysis.t > 1 else ()
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm)

@@ -8,12 +8,12 @@ model: the forward, and every parameter after one SGD step. A row records
                | replicated (exact, no layer sharded: at most the vocabulary) | refused (fxpar said why)
                | wrong (numbers differ) | crash (an error from inside fxpar) | no tiny build (transformers itself
                cannot build or run the tiny model: not counted)
-    fwd, bwd   activation all-reduces per layer in forward and backward (Megatron's layout needs 2 and 2; the
-               vocabulary's lookup and head add one each to the whole model, and the gradient of a replicated
-               weight read inside a sharded region, a QK-norm's, one each: not counted per layer; nor the b*s-sized
-               all-reduces of a statistic over the sharded dim, `stat` forward and its f backward)
+    fwd, bwd   activation collectives per layer in forward and backward, the mean over the layers fxpar found
+               (pm.plan.comm, passes/comm_audit.py): Megatron's layout needs 2 and 2. Those outside the layers (the
+               vocabulary's) are not counted, nor those of a few values per token or of a weight's gradient
     share      parameters held on one rank over the model's (1.0: fully replicated; Megatron's layout at t=2 about 0.5)
-    why        the first reason the plan gives for what stayed replicated, or the refusal / error
+    why        for a layer above 2 + 2, the plan's note on it; else the first reason the plan gives for what stayed
+               replicated, or the refusal / error
 
     python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE] [--readme README.md]
     (`make sweep` writes all three)
@@ -108,54 +108,9 @@ def _forward_params(model) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
-def _upstream(n, through=lambda a: True):
-    """n and the nodes it is computed from, looking past a node's inputs only where through(node)."""
-    seen, todo = {n}, [n]
-    while todo:
-        a = todo.pop()
-        yield a
-        if through(a):
-            for b in a.all_input_nodes:
-                if b not in seen:
-                    seen.add(b)
-                    todo.append(b)
-
-
-def _reads_activation(n) -> bool:
-    """n depends on a user input (an activation), not only on weights and buffers."""
-    from fxpar.passes.meta import USER, input_of
-
-    return any(a.op == "placeholder" and input_of(a).kind == USER for a in _upstream(n))
-
-
-def _of_statistic(n) -> bool:
-    """n is computed from a `stat` all-reduce (an RMSNorm's rsqrt of the mean over all heads) before any other
-    collective: its f carries b*s values, not an activation."""
-    from fxpar.passes.meta import comm_kind
-
-    return any(comm_kind(a) == "stat" for a in _upstream(n, through=lambda a: comm_kind(a) is None))
-
-
-def _collectives(pm) -> dict[str, int]:
-    """Collectives by kind; "f" of a weight read inside a sharded region (its gradient all-reduced, as Megatron
-    all-reduces a QK-norm's) is counted apart, as "f weight", and f of a partial statistic as "f stat"."""
-    from fxpar.passes.meta import FXPAR_COMM
-
-    counts: dict[str, int] = {}
-    for n in pm.graph_module.graph.nodes:
-        kind = n.meta.get(FXPAR_COMM)
-        if kind == "f" and not _reads_activation(n.args[0]):
-            kind = "f weight"
-        elif kind == "f" and _of_statistic(n.args[0]):
-            kind = "f stat"
-        if kind:
-            counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
 def _check_rank(model, args, kwargs, traced):
     """One rank: parallelize, compare forward and parameters after SGD, and read the plan."""
-    from fxpar.passes.layers import find_layers
+    from fxpar.passes.comm_audit import per_layer
 
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
@@ -164,18 +119,12 @@ def _check_rank(model, args, kwargs, traced):
         fwd, params = sgd_gaps(pm, reference, args, kwargs)
     local = sum(p.numel() for p in pm.parameters())
     total = sum(p.numel() for p in reference.parameters())
-    reasons = [r.reason for r in pm.plan.regions if r.reason]
-    layers = len(set(find_layers(pm.compiled.traced.gm).entry_of.values())) or 1
-    return {"layers": layers, "fwd_gap": fwd, "param_gap": params, "share": local / total, "comm": _collectives(pm),
+    above = [c.note for c in pm.plan.above_bound]
+    reasons = [f"above 2 + 2 in {pm.plan.above_bound[0].layer}: {above[0]}"] if above else []
+    reasons += [r.reason for r in pm.plan.regions if r.reason]
+    fwd_per_layer, bwd_per_layer = per_layer(pm.plan.comm)
+    return {"fwd": fwd_per_layer, "bwd": bwd_per_layer, "fwd_gap": fwd, "param_gap": params, "share": local / total,
             "sharded": sum(r.kind == "tp" for r in pm.plan.sharded_regions), "why": reasons[0] if reasons else ""}
-
-
-def _per_layer(comm: dict, layers: int) -> tuple[float, float]:
-    """All-reduces per layer (the repeated blocks fxpar found, every stack's), forward and backward, the
-    vocabulary's lookup and head left out."""
-    fwd = comm.get("g", 0)
-    bwd = comm.get("f", 0)
-    return fwd / layers, max(0, bwd - (1 if comm.get("gather") else 0)) / layers
 
 
 def _clean(text: str) -> str:
@@ -209,7 +158,7 @@ def sweep_one(model_type: str, class_name: str, timeout_s: float = 180.0) -> dic
     gap = max(max(x["fwd_gap"], x["param_gap"]) for x in results.values())
     if gap > TOL:  # rounding the model amplifies, or a wrong rewrite: float64 tells them apart (as in tests/fuzz.py)
         row["arbiter"] = _arbitrate(model, args, kwargs, gap, timeout_s)
-    fwd, bwd = _per_layer(r["comm"], r["layers"])
+    fwd, bwd = r["fwd"], r["bwd"]
     status = "wrong" if gap > TOL and not row["arbiter"].startswith("exact") else \
         "sharded" if r["sharded"] else "replicated"
     return row | {"status": status, "gap": gap, "fwd": fwd, "bwd": bwd, "share": r["share"], "why": _clean(r["why"])}
@@ -258,8 +207,10 @@ def sweep(only=None) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     counted = [r for r in rows if r["status"] != "no tiny build"]
     by = {s: sum(r["status"] == s for r in counted) for s in ("sharded", "replicated", "refused", "wrong", "crash")}
+    above = sum(r["status"] == "sharded" and max(r["fwd"], r["bwd"]) > 2 for r in counted)
     head = (f"{len(counted)} of {len(rows)} architectures build from a tiny config; at t=2: "
-            + ", ".join(f"{n} {s}" for s, n in by.items()) + ".\n\n")
+            + ", ".join(f"{n} {s}" for s, n in by.items())
+            + f"; {above} sharded above Megatron's 2 + 2 all-reduces per layer, each named in the plan.\n\n")
     lines = ["| architecture | status | all-reduces / layer (fwd, bwd) | local share | why (first reason) |",
              "|---|---|---|---|---|"]
     for r in sorted(counted, key=lambda r: r["arch"]):
