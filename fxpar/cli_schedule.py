@@ -5,17 +5,14 @@
     fxpar schedule --pp 4 --microbatches 8 --png timeline.png
 
 Needs no torch: it only uses fxpar.passes.schedules / lower_schedule / proofs / simulate. The lowered program is
-checked by the same proof the compiler runs before every pipelined step (passes/proofs.py). The PNG is written by a tiny
-pure-Python encoder (filled rectangles, one color per microbatch, lighter for backward): no matplotlib.
+checked by the same proof the compiler runs before every pipelined step (passes/proofs.py). --png draws the timeline
+with matplotlib (fxpar/plot.py), an optional extra: pip install 'fxpar[plot]'.
 """
 from __future__ import annotations
 
 import argparse
-import colorsys
 import json
-import struct
 import sys
-import zlib
 from fractions import Fraction
 
 from fxpar.cost.pipeline import SCHEDULES
@@ -36,7 +33,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--forward-cost", type=Fraction, default=Fraction(1), help="stage forward time (default 1)")
     parser.add_argument("--backward-cost", type=Fraction, default=Fraction(2), help="stage backward time (default 2)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the grid")
-    parser.add_argument("--png", metavar="FILE", help="also draw the timeline as a Gantt chart PNG")
+    parser.add_argument("--png", metavar="FILE", help="also draw the timeline as a Gantt chart PNG (needs matplotlib)")
     parser.set_defaults(func=handle_schedule)
 
 
@@ -51,13 +48,25 @@ def handle_schedule(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"fxpar schedule: error: {e}", file=sys.stderr)
         return 2
-    if args.png:
-        write_gantt_png(args.png, result)
+    if args.png and not _save_png(args.png, result, args.schedule):
+        return 2
     if args.json:
         print(json.dumps(_as_json(args, result, schedule, program.actions), indent=2))
     else:
         print(format_result(result))
     return 0
+
+
+def _save_png(path: str, result: SimResult, name: str) -> bool:
+    """Draw the timeline to `path`; without matplotlib print one error line and return False."""
+    from fxpar.plot import INSTALL_HINT, MatplotlibMissing, save_schedule_png
+
+    try:
+        save_schedule_png(path, result, title=name)
+    except MatplotlibMissing:
+        print(f"fxpar schedule: error: --png needs matplotlib: {INSTALL_HINT}", file=sys.stderr)
+        return False
+    return True
 
 
 def _as_json(args: argparse.Namespace, result: SimResult, schedule: dict, lowered: dict) -> dict:
@@ -67,40 +76,3 @@ def _as_json(args: argparse.Namespace, result: SimResult, schedule: dict, lowere
             "makespan": float(result.makespan), "ideal": float(result.ideal),
             "actions": {str(rank): line for rank, line in format_schedule(schedule).items()},
             "lowered_actions": {str(rank): line for rank, line in format_schedule(lowered).items()}}
-
-
-# ---------------------------------------------------------------- Gantt chart as PNG, pure Python
-
-def _color(microbatch: int, m: int, backward: bool) -> bytes:
-    """One hue per microbatch; backward is the lighter shade of the same hue."""
-    r, g, b = colorsys.hls_to_rgb(0.85 * microbatch / max(m, 1), 0.75 if backward else 0.45, 0.75)
-    return bytes((int(r * 255), int(g * 255), int(b * 255)))
-
-
-def _png_chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-
-def encode_png(width: int, height: int, pixels: list[bytearray]) -> bytes:
-    """8-bit RGB PNG from rows of width*3 bytes (filter type 0 on every row)."""
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(raw, 9))
-            + _png_chunk(b"IEND", b""))
-
-
-def write_gantt_png(path: str, result: SimResult, row_height: int = 24, max_width: int = 1600) -> None:
-    """One row per rank, one filled rectangle per compute action (1 px gaps mark action boundaries)."""
-    scale = max(1, min(40, max_width // max(1, int(result.makespan))))  # pixels per unit of time
-    width, height = max(1, int(result.makespan * scale)), row_height * result.p
-    pixels = [bytearray(b"\xff\xff\xff" * width) for _ in range(height)]
-    for rank, timeline in result.timelines.items():
-        for start, end, action in timeline:
-            if action.is_p2p:
-                continue
-            x0, x1 = int(start * scale), max(int(start * scale) + 1, int(end * scale) - 1)
-            color = _color(action.microbatch, result.m, action.kind == "B")
-            for y in range(rank * row_height + 2, (rank + 1) * row_height - 2):
-                pixels[y][x0 * 3:x1 * 3] = color * (x1 - x0)
-    with open(path, "wb") as f:
-        f.write(encode_png(width, height, pixels))

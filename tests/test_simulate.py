@@ -1,10 +1,10 @@
 """Simulator: exact bubble fractions over the (p, v, m) grid, dependencies and deadlock-freedom of the lowered
-schedules, deadlock reports, the text grid, and the `fxpar schedule` CLI (text, --json, --png, errors)."""
+schedules, deadlock reports, the text grid, and the `fxpar schedule` CLI (text, --json, errors;
+--png is in test_schedule_plot.py)."""
 from __future__ import annotations
 
 import argparse
 import json
-import struct
 from fractions import Fraction
 
 import pytest
@@ -175,17 +175,6 @@ def test_cli_json(capsys):
     assert (data["pp"], data["vpp"], data["microbatches"], data["schedule"], data["makespan"]) == (4, 1, 8, "1f1b", 22)
     assert data["actions"]["3"].startswith("3F0 3B0 3F1")
     assert data["lowered_actions"]["3"].startswith("3RECV_F0<2 3F0 3B0 3SEND_B0>2")
-
-
-def test_cli_png(capsys, tmp_path):
-    path = tmp_path / "timeline.png"
-    code, _, _ = run_cli(["--pp", "4", "--vpp", "2", "--microbatches", "8", "--schedule", "interleaved-1f1b",
-                          "--png", str(path)], capsys)
-    data = path.read_bytes()
-    assert code == 0 and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (28 * 40 + 20, 4 * 24)  # makespan 28.5 time units at 40 px each, 24 px per rank
-    assert data[-8:-4] == b"IEND"
 
 
 @pytest.mark.parametrize("argv, match", [
