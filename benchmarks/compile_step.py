@@ -1,0 +1,165 @@
+"""Benchmark: Config(compile=True) (each chunk's graph through torch.compile, inductor) against eager, one t=2 train
+step of the example GPT, beside torch.compile of the unparallelized model.
+
+    fxpar eager       fxpar.parallelize at t=2, the default Config
+    fxpar compile     the same with Config(compile=True)
+    torch eager       the unmodified model on one rank's process (the same model each rank, no communication)
+    torch.compile     torch.compile(model) of the unmodified model, likewise
+
+A step is forward, cross-entropy, backward and an SGD step. Every variant's loss and gradients are first checked
+against the unmodified model (within 1e-5). The first call of each variant is timed on its own (`first call s`:
+building, tracing, inductor's code generation with a fresh cache, and the first step); then the variants run
+interleaved for R rounds (common.time_rounds) and the table shows the median step time and the median per-round ratio to fxpar eager.
+
+Run (2 ranks over gloo, 1 thread each):
+    .venv/bin/python benchmarks/compile_step.py
+    .venv/bin/python benchmarks/compile_step.py --layers 4 --hidden 256 --seq 256 --rounds 10
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if __package__:
+    from benchmarks import common
+else:
+    import common
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+VARIANTS = ("fxpar eager", "fxpar compile", "torch eager", "torch.compile")
+TOL = 1e-5
+
+
+def _loss(out, ids):
+    return F.cross_entropy(out.flatten(0, 1), torch.roll(ids, -1, dims=1).flatten())
+
+
+def _grads(module) -> dict:
+    """Gradients by parameter name (torch.compile's wrapper prefix `_orig_mod.` dropped)."""
+    return {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in module.named_parameters()
+            if p.grad is not None}
+
+
+def _error(model, ref_loss, ref_grads, ids, full_grads=None) -> float:
+    """|loss gap| and the largest gradient gap of one forward and backward (full_grads: how to read full gradients)."""
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model(ids), ids)
+    loss.backward()
+    grads = full_grads() if full_grads else _grads(model)
+    gap = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
+    return max(abs(loss.item() - ref_loss), gap)
+
+
+def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -> dict:
+    import fxpar
+
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    ref = copy.deepcopy(model)
+    ref_loss = _loss(ref(ids), ids)
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+    mesh = fxpar.init_mesh(tp=dist.get_world_size())
+    models, compile_s = {}, {}
+    for name in VARIANTS:
+        start = time.perf_counter()
+        if name.startswith("fxpar"):
+            config = fxpar.Config(compile=name == "fxpar compile")
+            models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids,), config=config)
+        else:
+            models[name] = copy.deepcopy(model)
+            if name == "torch.compile":
+                models[name] = torch.compile(models[name])
+        full = _full_grads(models[name]) if name.startswith("fxpar") else None
+        error = _error(models[name], ref_loss.item(), ref_grads, ids, full)
+        compile_s[name] = time.perf_counter() - start
+        if error > TOL:
+            raise AssertionError(f"{name}: not exact, gap {error:.2e} > {TOL}")
+    timed = common.time_rounds({n: _step(m, ids) for n, m in models.items()}, rounds, steps, warmup, barrier=True,
+                               reduce=dist.ReduceOp.MAX)
+    return {"times": timed["times"], "compile_s": compile_s,
+            "config": dict(vars(cfg)) | {"batch": batch, "t": dist.get_world_size(), "rounds": rounds}}
+
+
+def _full_grads(pm):
+    """Full gradients of a ParallelModule under the original keys (each sharded gradient unsharded over tp)."""
+    from fxpar.passes.placements import unshard
+
+    def read() -> dict:
+        out = {}
+        for key, p in pm.named_parameters():
+            spec = pm.specs.get(key)
+            out[key] = unshard(pm.comm.all_gather(p.grad.detach()), spec) if spec else p.grad.detach().clone()
+        return out
+
+    return read
+
+
+def _step(model, ids):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        _loss(model(ids), ids).backward()
+        opt.step()
+
+    return step
+
+
+def format_table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for name in VARIANTS:
+        ratio, q1, q3 = common.paired_ratio(result["times"], name, "fxpar eager")
+        rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}",
+                     result["compile_s"][name]])
+    c = result["config"]
+    head = (f"train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} batch={c['batch']} "
+            f"vocab={c['vocab']}; fxpar at t={c['t']}, torch on each rank's own process; gloo, 1 thread/rank; "
+            f"{c['rounds']} interleaved rounds; ratio: median per-round ratio to fxpar eager; first call s: build, "
+            "compile and the first step")
+    return head + "\n" + tabulate(rows, headers=["variant", "median ms", "vs fxpar eager", "(IQR)", "first call s"],
+                                  floatfmt=(None, ".1f", ".3f", None, ".1f"))
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one)")
+    return p.parse_args(argv)
+
+
+def _run(args) -> dict:
+    if not args.warm_cache:  # a cold inductor cache per rank: `first call s` includes the whole compile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpar-inductor-")
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    return run_rank(cfg, args.batch, args.rounds, args.steps, args.warmup)
+
+
+def main(argv=None) -> dict:
+    return common.launch_and_print(_run, _parse(argv), format_table)
+
+
+if __name__ == "__main__":
+    main()
