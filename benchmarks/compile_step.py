@@ -9,7 +9,8 @@ step of the example GPT, beside torch.compile of the unparallelized model.
 A step is forward, cross-entropy, backward and an SGD step. Every variant's loss and gradients are first checked
 against the unmodified model (within 1e-5). The first call of each variant is timed on its own (`first call s`:
 building, tracing, inductor's code generation with a fresh cache, and the first step); then the variants run
-interleaved for R rounds (common.time_rounds) and the table shows the median step time and the median per-round ratio to fxpar eager.
+interleaved for R rounds (common.time_rounds) and the table shows the median step time and the median per-round
+ratio to fxpar eager.
 
 Run (2 ranks over gloo, 1 thread each):
     .venv/bin/python benchmarks/compile_step.py
