@@ -22,6 +22,7 @@ from fxpar.optim import trainable
 from fxpar.passes.meta import PARAMETER
 from fxpar.programs import describe_mismatch
 from fxpar.runtime import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
+from fxpar.weights import tensor_keys
 
 
 def mesh_groups(mesh) -> Groups:
@@ -66,7 +67,7 @@ class PipelineModule(ParallelModule):
         used = {gi.key for c in mine for gi in c.inputs if gi.is_state}
         if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
-            used |= set(model.state_dict(keep_vars=True)) - read
+            used |= set(tensor_keys(model)) - read
         super().__init__(model, compiled, used_keys=used, mesh=mesh)
         self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config)
         self._programs.loss_fn = loss_fn

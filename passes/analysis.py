@@ -37,12 +37,13 @@ accepts, and a region's only exits are row-parallel GEMMs followed by g.
     its own, and keeps the larger region only if it is proven too.
 
 [Note: low-rank pairs]
-    A row-parallel GEMM all-reduces its output; one that outputs more features than it contracts (the up-projection
-    of a low-rank pair: MLA's q_a_proj -> q_b_proj, a gate's f_a -> f_b, h -> r -> w with w > r) would all-reduce w
-    values per token where gathering its input would move r. Megatron-Core shards MLA the other way: the
-    down-projection replicated (r*h redundant FLOPs per token), the up-projection column-parallel. So a region with
-    such a row GEMM is refused, the seeds it is computed from stay replicated, and the rest of its seeds are grown
-    again; the up-projection, which then reads a replicated activation, is a seed of its own.
+    A row-parallel GEMM all-reduces its output. In Megatron's layers that output is as wide as the region's input
+    (h -> 4h -> h, also when the inner size is below h, as in most MoE experts). The up-projection of a low-rank
+    pair (MLA's q_a_proj -> q_b_proj, a gate's f_a -> f_b: h -> r -> w, w > h and w > r) would all-reduce w values
+    per token instead. Megatron-Core shards MLA the other way: the down-projection replicated (r*h redundant FLOPs
+    per token), the up-projection column-parallel. So a region with a row GEMM that outputs more features than both
+    its region reads and it contracts is refused, the seeds it is computed from stay replicated, and the rest of
+    its seeds are grown again; the up-projection, which then reads a replicated activation, is a seed of its own.
 
 [Note: every use is proven]
     A parameter is sharded only if its every use is inside its region: a GEMM weight read by any other node keeps
@@ -309,20 +310,22 @@ class WideRow(NoRule):
         self.seeds = seeds
 
 
-def _check_widths(got: dict[Node, Decision], subset) -> None:
-    """[Note: low-rank pairs] Raise WideRow if a row GEMM of the region outputs more features than it contracts,
-    naming the seeds it is computed from."""
+def _check_widths(got: dict[Node, Decision], subset, x: Node) -> None:
+    """[Note: low-rank pairs] Raise WideRow if a row GEMM of the region outputs more features than it contracts and
+    than the region reads, naming the seeds it is computed from."""
+    width = x.meta["val"].shape[-1]
     for r, d in got.items():
         if d.role != "row":
             continue
         out, contracted = r.meta["val"].shape[-1], _seed_input(r).meta["val"].shape[-1]
         seeds = {s for s in subset if s in _upstream_in(r, got)}
-        if out <= contracted or not seeds:
+        if out <= max(contracted, width) or not seeds:
             continue
         names = ", ".join(_describe(s) for s in sorted(seeds, key=lambda s: s.name))
         raise WideRow(f"{names} stays replicated: as a region with {_describe(r)}, that row-parallel GEMM would "
-                      f"all-reduce {out} values per token, more than the {contracted} it contracts (a low-rank pair); "
-                      "its up-projection reads it replicated instead", seeds)
+                      f"all-reduce {out} values per token, more than the {width} the region reads and the "
+                      f"{contracted} it contracts (a low-rank pair); its up-projection reads it replicated instead",
+                      seeds)
 
 
 def _upstream_in(n: Node, got: dict) -> set[Node]:
@@ -425,7 +428,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 ctx = Ctx(dict(placements), t, params)
                 try:
                     got, specs = _grow(list(subset), ctx, order, frozen, activations)
-                    _check_widths(got, subset)
+                    _check_widths(got, subset, x)
                 except NoRule as e:
                     if first_error is None:
                         e = _blocked_by(e, subset, placements, params, order, frozen, activations)

@@ -11,6 +11,7 @@ This pass rewrites them (in place, before the analysis) as
     einsum('...c,cf->...f', x, W)    -> as matmul(x, W);   einsum('...c,fc->...f', x, W) -> linear(x, W)
     transformers::grouped_mm_fallback(x, W.transpose(-2, -1), offs), W [E, out, in]
                                      -> fxpar::grouped_linear(x, W, offs)   (passes/grouped_gemm.py: MoE experts)
+    bmm(x, W), W [E, in, out]        -> fxpar::expert_bmm(x, W)
 
 Why it is exact: each form computes the same sum of products, one output element at a time; for k > 2, matmul
 itself folds x to 2-D and calls mm, which is what the rewrite spells out. The node computing the original value
@@ -22,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 
-from .grouped_gemm import GROUPED_LINEAR, grouped_form
+from .grouped_gemm import EXPERT_BMM, GROUPED_LINEAR, expert_bmm_form, grouped_form
 from .meta import FXPAR_ORIGIN, param_nodes
 
 aten = torch.ops.aten
@@ -123,6 +124,8 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
             _as_linear(gm, n, n.args[1], _transposed_weight(n.args[2], params), n.args[0])
         elif (grouped := grouped_form(n, params)) is not None:
             n.target, n.args = GROUPED_LINEAR, grouped  # the same value: n keeps its name and FXPAR_ORIGIN
+        elif (batched := expert_bmm_form(n, params)) is not None:
+            n.target, n.args = EXPERT_BMM, batched
         elif n.target is aten.einsum.default and (form := _einsum_form(n, params)) is not None:
             x, w, out_in = form
             if x.meta["val"].dim() < 2:

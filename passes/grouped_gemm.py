@@ -12,8 +12,12 @@ then treat it as any GEMM with a weight parameter (rules.GEMM_WEIGHT_ARG): colum
 parts found from the chunk that follows), row-parallel over `in`, g after the second: each expert's MLP is split
 as Megatron splits a dense one, the router and the token sorting replicated. Expert parallelism is not done.
 
+Experts written with batched GEMMs over weights stored [E, in, out] (Llama 4's `torch.bmm(x.view(E, -1, h), W)`)
+become `fxpar::expert_bmm(x, W)`, the same bmm, with W's `out` dim (2) the output features and its `in` dim (1) the
+contracted one: the same column- then row-parallel split.
+
 Why it is exact: the same torch.mm calls on the same strided views as the call it replaces (W[e].t() is
-W.transpose(-2, -1)[e]), forward and backward.
+W.transpose(-2, -1)[e]), forward and backward; expert_bmm's backward is autograd's of bmm, op for op.
 """
 from __future__ import annotations
 
@@ -75,6 +79,40 @@ def _backward(ctx, grad):
 grouped_linear.register_autograd(_backward, setup_context=_setup)
 
 GROUPED_LINEAR = torch.ops.fxpar.grouped_linear.default
+
+
+@torch.library.custom_op("fxpar::expert_bmm", mutates_args=())
+def expert_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x, weight): x [E, rows, in], weight [E, in, out] (a parameter, one slice per expert)."""
+    return torch.bmm(x, weight)
+
+
+@expert_bmm.register_fake
+def _(x, weight):
+    if x.dim() != 3 or weight.dim() != 3 or x.size(0) != weight.size(0) or x.size(2) != weight.size(1):
+        raise ValueError(f"fxpar::expert_bmm: x {tuple(x.shape)}, weight {tuple(weight.shape)} [E, in, out] do not fit")
+    return x.new_empty(x.size(0), x.size(1), weight.size(2))
+
+
+def _setup_bmm(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_bmm(ctx, grad):
+    x, weight = ctx.saved_tensors  # as autograd differentiates bmm (tools/autograd/derivatives.yaml)
+    return grad.bmm(weight.transpose(1, 2)), x.transpose(1, 2).bmm(grad)
+
+
+expert_bmm.register_autograd(_backward_bmm, setup_context=_setup_bmm)
+
+EXPERT_BMM = torch.ops.fxpar.expert_bmm.default
+
+
+def expert_bmm_form(n: Node, params: set[Node]) -> tuple[Node, Node] | None:
+    """(x, W) when n is aten.bmm(x, W) with W a 3-D parameter [E, in, out]."""
+    if n.op != "call_function" or n.target is not aten.bmm.default or n.args[1] not in params:
+        return None
+    return n.args[0], n.args[1]
 _HF_GROUPED_MM = "transformers.grouped_mm_fallback.default"  # str() of the OpOverload, present once transformers is
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from .grouped_gemm import GROUPED_LINEAR
+from .grouped_gemm import EXPERT_BMM, GROUPED_LINEAR
 from .placements import Placement, Replicate, Shard, plain_shard
 from .reshape import ReshapeError, reshape_shard
 
@@ -194,6 +194,15 @@ def squeeze(node: Node, ctx: Ctx) -> Decision:
     return Decision(s.moved(s.dim - sum(1 for d in gone if d < s.dim)))
 
 
+# --- view_as_complex / view_as_real (rotary embeddings as complex products): the trailing (real, imag) pair dim
+# comes or goes; every other dim keeps its place and its shard
+def complex_view(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
+    if node.target is aten.view_as_complex.default and s.dim == nd - 1:
+        raise NoRule(f"{node.name}: view_as_complex over the sharded (real, imag) pair dim")
+    return Decision(s)
+
+
 # --- select / slice: fine on other dims; a slice on the sharded dim must take whole parts
 def select(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
@@ -313,6 +322,37 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
     raise NoRule(f"{node.name}: {node.target.__name__} reduces over the sharded dim {s.dim}")
 
 
+# --- max / min / argmax / argmin along a dim, topk, sort, cumsum: along another dim than the sharded one, each
+# rank's slice is its own; values and indices (of the unsharded dim) alike
+_KEEP_RANK = {aten.topk.default, aten.sort.default, aten.sort.stable, aten.cumsum.default}
+_PAIRS = {aten.max.dim, aten.min.dim, aten.topk.default, aten.sort.default, aten.sort.stable}
+
+
+def along_dim(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
+    dim = arg(node, "dim", -1 if node.target in _KEEP_RANK else None)
+    if dim is None:
+        raise NoRule(f"{node.name}: {node.target.__name__} over every element of a sharded tensor")
+    d = _norm(dim, nd)
+    if d == s.dim:
+        raise NoRule(f"{node.name}: {node.target.__name__} along the sharded dim {d}")
+    keep = node.target in _KEEP_RANK or bool(arg(node, "keepdim", False))
+    out = s if keep else s.moved(s.dim - (1 if d < s.dim else 0))
+    return Decision((out, out) if node.target in _PAIRS else out)
+
+
+def reshape_as(node: Node, ctx: Ctx) -> Decision:
+    """x.reshape_as(other): as reshape(x, other.shape); exact locally when `other` is sharded as the result is."""
+    x, other = node.args[0], node.args[1]
+    try:
+        out = reshape_shard(ctx.shape(x), ctx.shape(node), ctx.p(x), ctx.t)
+    except ReshapeError as e:
+        raise NoRule(f"{node.name}: {e}") from None
+    if ctx.p(other) != out:
+        raise NoRule(f"{node.name}: reshapes to {out} like {other.name}, which is {ctx.p(other)}")
+    return Decision(out)
+
+
 # --- layer_norm / rms_norm: normalized dims must be unsharded; the affine weights enter through f
 def norm(node: Node, ctx: Ctx) -> Decision:
     x, s = node.args[0], ctx.p(node.args[0])
@@ -377,10 +417,12 @@ def batched_matmul(node: Node, ctx: Ctx) -> Decision:
 
 # --- GEMMs with a weight parameter: row-parallel when the contraction dim is sharded
 GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0), aten.mm.default: (1, 0, 0),
-                   GROUPED_LINEAR: (1, 0, 2)}
+                   GROUPED_LINEAR: (1, 0, 2), EXPERT_BMM: (1, 0, 1)}
 # op -> (weight arg index, input arg index, weight dim contracted with the input's last dim)
-GEMM_WEIGHT_OUT = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 1, GROUPED_LINEAR: 1}
-# op -> the weight dim of the output features (a grouped GEMM's weight is [groups, out, in])
+GEMM_WEIGHT_OUT = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 1, GROUPED_LINEAR: 1,
+                   EXPERT_BMM: 2}
+# op -> the weight dim of the output features (a grouped GEMM's weight is [groups, out, in], a batched one's
+# [groups, in, out])
 
 
 DTYPE_ONLY = {aten.type_as.default: 1, aten.to.other: 1}  # op -> the argument read for its dtype and device only
@@ -413,6 +455,8 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
         return Decision(R, role="row")  # g follows; the caller shards the weight on w_in_dim with s's layout
     if node.target is GROUPED_LINEAR and s.dim != nx - 1:
         raise NoRule(f"{node.name}: a grouped GEMM's rows belong to groups by its offsets; rows sharded as {s}")
+    if node.target is EXPERT_BMM and s.dim == 0:
+        raise NoRule(f"{node.name}: a batched expert GEMM with its experts sharded ({s}) needs expert parallelism")
     if s.dim == nx - 1:
         why = "is not a parameter" if w not in ctx.params else f"is also read by {other_use(w, node).name}"
         raise NoRule(f"{node.name}: contraction over a sharded dim with weight {getattr(w, 'name', w)}, which {why}")
@@ -450,6 +494,7 @@ _register(like_input, aten.type_as.default, aten.to.other)
 _register(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
           aten.flatten.using_ints)  # not view(dtype): it reinterprets bits
 _register(expand, aten.expand)
+_register(complex_view, aten.view_as_complex, aten.view_as_real)
 _register(transpose, aten.transpose)
 _register(permute, aten.permute)
 _register(unsqueeze, aten.unsqueeze)
@@ -462,6 +507,9 @@ _register(cat, aten.cat)
 _register(stack, aten.stack)
 _register(softmax, aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
 _register(reduction, aten.mean, aten.sum, aten.amax, aten.amin, aten.var)
+_register(along_dim, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.topk.default,
+          aten.sort.default, aten.sort.stable, aten.cumsum.default)
+_register(reshape_as, aten.reshape_as.default)
 _register(norm, aten.layer_norm, aten.rms_norm)
 _register(sdpa, aten.scaled_dot_product_attention)
 _register(batched_matmul, aten.matmul, aten.bmm)

@@ -35,6 +35,17 @@ class ThreeMLPs(nn.Module):
         return self.third(self.second(self.first(x)))
 
 
+class SmallInner(nn.Module):
+    """An MLP narrower inside than outside (most MoE experts): h -> h/2 -> h, a plain region, not a low-rank pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(inner=H // 2)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
 class LowRank(nn.Module):
     """A low-rank factored up-projection (MLA's query, a low-rank gate): h -> r -> 4h -> h."""
 
@@ -98,8 +109,14 @@ def test_a_low_rank_pair_keeps_its_down_projection_replicated():
     assert weights["layers.0.a.weight"] == "R"  # r*h redundant FLOPs, no all-reduce of 4h values
     assert weights["layers.0.b.weight"] == "S(0)" and weights["layers.0.down.weight"] == "S(1)"
     reasons = [r.reason for r in plan.regions if r.reason]
-    assert any("low-rank pair" in r and "64 values per token, more than the 4 it contracts" in r for r in reasons), reasons
+    wide = "64 values per token, more than the 16 the region reads and the 4 it contracts (a low-rank pair)"
+    assert any(wide in r for r in reasons), reasons
     assert all(max(c.shape[-1] for c in layer.forward) == H for layer in plan.comm if layer.forward)
+
+
+def test_an_mlp_narrower_inside_is_still_split():
+    weights = {w.key: w.placement for w in _plan(Stack(SmallInner), (_x(),)).weights}
+    assert weights["layers.0.mlp.up.weight"] == "S(0)" and weights["layers.0.mlp.down.weight"] == "S(1)"
 
 
 @pytest.mark.gloo

@@ -6,7 +6,10 @@ import torch.nn as nn
 
 from fxpar.weights import tensor_keys
 from tests.models import sgd_gaps
+from tests.harness import module_pool
 from tests.threaded import on_tp_ranks
+
+pool2 = module_pool(2)
 
 H, HEADS = 16, 4
 
@@ -80,3 +83,26 @@ def test_renamed_keys_are_sharded_exact_and_spoken_back(tmp_path):
         assert share < 0.55, share  # wqkv split by heads (q | k | v), wo by rows
         assert spelled, "full_state_dict is not model.state_dict()'s spelling"
         assert reloaded <= 1e-5 and resumed <= 1e-5, (reloaded, resumed)
+
+
+
+def _pipelined():
+    """Loss of one pp=2 step against the unmodified model's, and full_state_dict's keys against its own."""
+    import fxpar
+
+    torch.manual_seed(0)
+    x, target, model = torch.randn(4, 5, H), torch.randn(4, 5, H), Model()
+
+    def loss_fn(out, tgt):
+        return ((out - tgt) ** 2).mean()
+
+    want = loss_fn(model(x), target).item()
+    pm = fxpar.parallelize(model, fxpar.init_mesh(pp=2), example_args=(x[:2],), loss_fn=loss_fn,
+                           config=fxpar.Config(microbatches=2))
+    return abs(pm.step(x, target=target).item() - want), list(pm.full_state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.gloo
+def test_renamed_keys_across_pipeline_stages(pool2):
+    for loss_err, spelled in pool2.run(_pipelined):
+        assert loss_err <= 1e-5 and spelled, (loss_err, spelled)
