@@ -35,6 +35,7 @@ from fxpar.passes.ops import TPComm
 from fxpar.passes.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.placements import Shard
 from fxpar.passes.proofs import prove
+from fxpar.passes.in_place import in_place_pass
 from fxpar.passes.recompute import recompute_pass
 from fxpar.passes.rng import RandomStreams, random_streams_pass
 from fxpar.passes.schedules import build_schedule
@@ -170,6 +171,10 @@ def _recompute(c: Compiled) -> GraphModule:
     return recompute_pass(c.gm, c.config.recompute)
 
 
+def _in_place(c: Compiled) -> GraphModule:
+    return in_place_pass(c.gm)
+
+
 def _partition(c: Compiled) -> Partition:
     if not c.target.pipelined:
         return whole_graph(c.gm)
@@ -215,6 +220,7 @@ STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, GeLU (Config.fuse; recomputed: "selective")
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
+    ("in_place", "gm", _in_place),  # f and g all-reduce in place where nothing else reads the tensor
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags

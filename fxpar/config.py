@@ -15,7 +15,8 @@ class Config:
     microbatches: int = 1  # m: microbatches per pipeline flush
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
     schedule: str = "1f1b"  # one of cost.pipeline.SCHEDULES; which (p, m, v) it runs: cost.pipeline.check_schedule
-    scatter_gather: bool = True  # send 1/t of each boundary activation, all-gather on arrival
+    scatter_gather: bool | str = "auto"  # send 1/t of each boundary activation, all-gather on arrival; "auto": only
+    # where a pipeline link joins two hosts and tp stays on one (fxpar/mesh.py pipeline_crosses_hosts)
     fuse: bool = True  # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion.py)
     recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
@@ -37,6 +38,8 @@ class Config:
             check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
         except ValueError as e:
             raise ValueError(f"Config: {e}") from None
+        if self.scatter_gather not in (True, False, "auto"):
+            raise ValueError(f"Config.scatter_gather must be True, False or 'auto', got {self.scatter_gather!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.bucket_mb <= 0:

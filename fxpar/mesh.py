@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -49,3 +50,28 @@ def check_mesh(mesh: DeviceMesh) -> None:
         raise ValueError(
             f"mesh size {mesh.size()} ({dict(zip(names, mesh.mesh.shape))}) != world size {dist.get_world_size()}"
         )
+
+
+def pipeline_crosses_hosts(ranks, hosts: list[str]) -> bool:
+    """Whether scatter/gather pays on this mesh: some pipeline link joins two hosts while every tensor-parallel group
+    stays on one. `ranks` is the mesh's (pp, dp, tp) array of global ranks (nested lists), hosts[r] global rank r's
+    host. Scatter/gather sends 1/t of each boundary activation and all-gathers it over tp on arrival: a gain only
+    where the pipeline link is the slower one (Narayanan et al. 2021, Sec. 4.1); on one host it only adds the
+    all-gather."""
+    pp, dp, tp = len(ranks), len(ranks[0]), len(ranks[0][0])
+    tp_local = all(len({hosts[r] for r in ranks[p][d]}) == 1 for p in range(pp) for d in range(dp))
+    crossing = any(hosts[ranks[p][d][t]] != hosts[ranks[p + 1][d][t]]
+                   for p in range(pp - 1) for d in range(dp) for t in range(tp))
+    return tp > 1 and tp_local and crossing
+
+
+def scatter_gather_wanted(setting, mesh: DeviceMesh) -> bool:
+    """Config.scatter_gather resolved on this mesh: True or False as given; "auto" asks every rank its host
+    (collective: every rank decides alike) and turns it on only where pipeline_crosses_hosts."""
+    if setting != "auto":
+        return bool(setting)
+    if not dist.is_initialized() or mesh.size(MESH_DIMS.index("pp")) == 1 or mesh.size(MESH_DIMS.index("tp")) == 1:
+        return False
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return pipeline_crosses_hosts(mesh.mesh.tolist(), hosts)

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from fxpar.executable import ParallelModule
 from fxpar.guard import preserve_global_state
+from fxpar.mesh import scatter_gather_wanted
 from fxpar.optim import trainable
 from fxpar.passes.meta import PARAMETER
 from fxpar.programs import describe_mismatch
@@ -69,7 +70,8 @@ class PipelineModule(ParallelModule):
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
             used |= set(tensor_keys(model)) - read
         super().__init__(model, compiled, used_keys=used, mesh=mesh)
-        self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config)
+        self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config,
+                             scatter_gather=scatter_gather_wanted(compiled.config.scatter_gather, mesh))
         self._programs.loss_fn = loss_fn
         self._tied = self._tied_groups(mesh, partition)
         self.replica_groups["tied"] = self._tied
@@ -176,7 +178,7 @@ class PipelineModule(ParallelModule):
 
     def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
         self.stats = Stats()
-        p2p = P2P(self.groups, stage.program.program, self.config.scatter_gather, self.stats)
+        p2p = P2P(self.groups, stage.program.program, self.scatter_gather, self.stats)
         zero = self.__dict__.get("_zero")
         if self.config.zero and zero is None:
             raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "

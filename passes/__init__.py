@@ -16,6 +16,7 @@ fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing he
     fusion.py (fuse_attention.py, fuse_dropout.py, fuse_gelu.py, fusion_match.py, fused_ops.py)
                        attention -> SDPA, bias+dropout+add, bias+GeLU
     recompute.py       activation recomputation (full, selective)
+    in_place.py        f and g all-reduce in place where nothing else reads the tensor
     layers.py          what a transformer layer is (the repeated blocks of the module tree)
     partition.py       p*v pipeline chunks and their boundaries
     schedules.py, lower_schedule.py, simulate.py, proofs.py

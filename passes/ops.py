@@ -58,23 +58,26 @@ def _shape_only(x: torch.Tensor) -> bool:
 
 class _F(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, in_place=False):
+        ctx.comm, ctx.in_place = comm, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.clone()), None
+        return ctx.comm.all_reduce(grad if ctx.in_place else grad.clone()), None, None
 
 
 class _G(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, in_place=False):
+        if in_place and x.is_contiguous() and not x._is_view():  # a view: a hook's wrapper (CommDebugMode's)
+            ctx.mark_dirty(x)  # the output is x itself, reduced: later in-place ops on it are ordinary ones
+            return comm.all_reduce(x)
         return comm.all_reduce(x.clone())
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -100,25 +103,26 @@ class _Gather(torch.autograd.Function):
 
 
 class _TPModule(nn.Module):
-    """A module that holds its rank's communication context; the graph calls it like an op."""
+    """A module that holds its rank's communication context; the graph calls it like an op. `in_place`: the
+    all-reduce may write into the tensor it is given (passes/in_place.py proved nothing else reads it)."""
 
     def __init__(self, comm: TPComm):
         super().__init__()
-        self.comm = comm
+        self.comm, self.in_place = comm, False
 
 
 class CopyToTP(_TPModule):
     """f: enters a tensor-parallel region."""
 
     def forward(self, x):
-        return _F.apply(x, self.comm)
+        return _F.apply(x, self.comm, self.in_place)
 
 
 class ReduceFromTP(_TPModule):
     """g: leaves a tensor-parallel region by summing the partial outputs of a row-parallel GEMM."""
 
     def forward(self, x):
-        return _G.apply(x, self.comm)
+        return _G.apply(x, self.comm, self.in_place)
 
 
 class ScatterToTP(_TPModule):

@@ -81,6 +81,8 @@ def test_bad_api_arguments():
         fxpar.parallelize(Norms(), None, example_args=torch.randn(2, 8))
     with pytest.raises(ValueError, match="Config.schedule must be one of"):
         fxpar.Config(schedule="zigzag")
+    with pytest.raises(ValueError, match="Config.scatter_gather must be True, False or 'auto'"):
+        fxpar.Config(scatter_gather="yes")
 
 
 def _mesh_bigger_than_world():
