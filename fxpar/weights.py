@@ -123,16 +123,12 @@ def _own_keys(module: nn.Module) -> list[str]:
 def tensor_keys(model: nn.Module) -> list[str]:
     """The keys model.state_dict() has without its hooks: every parameter and persistent buffer under its module
     path, in the model's order (a tensor shared by two modules under both paths)."""
-    keys = []
+    modules = model.named_modules(remove_duplicate=False)  # the order state_dict visits them, shared ones twice
+    return [_prefix(path) + k for path, module in modules for k in _own_keys(module)]
 
-    def walk(module: nn.Module, prefix: str) -> None:
-        keys.extend(prefix + k for k in _own_keys(module))
-        for name, child in module._modules.items():
-            if child is not None:
-                walk(child, prefix + name + ".")
 
-    walk(model, "")
-    return keys
+def _prefix(path: str) -> str:
+    return path + "." if path else ""
 
 
 def has_state_hooks(model: nn.Module) -> bool:
@@ -164,13 +160,7 @@ def from_model_spelling(model: nn.Module, state: Mapping) -> dict:
     """A state dict in the model's own spelling, under tensor_keys: every module's load pre-hooks run, parents first,
     as load_state_dict runs them."""
     state = dict(state)
-
-    def visit(module: nn.Module, prefix: str) -> None:
+    for path, module in model.named_modules(remove_duplicate=False):
         for hook in module._load_state_dict_pre_hooks.values():
-            hook(state, prefix, {}, True, [], [], [])
-        for name, child in module._modules.items():
-            if child is not None:
-                visit(child, prefix + name + ".")
-
-    visit(model, "")
+            hook(state, _prefix(path), {}, True, [], [], [])
     return state

@@ -328,15 +328,22 @@ def _check_widths(got: dict[Node, Decision], subset, x: Node) -> None:
                       seeds)
 
 
+def upstream(n: Node, through=lambda a: True):
+    """n and the nodes it is computed from, each once, looking past a node's inputs only where through(node)."""
+    seen, todo = {n}, [n]
+    while todo:
+        a = todo.pop()
+        yield a
+        if through(a):
+            for b in a.all_input_nodes:
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+
+
 def _upstream_in(n: Node, got: dict) -> set[Node]:
     """The nodes of the region `got` that n is computed from."""
-    seen, todo = set(), [n]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a in got and a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
+    return {a for a in upstream(n, through=lambda a: a is n or a in got) if a in got and a is not n}
 
 
 def _subsets(seeds: list[Node]):
@@ -476,5 +483,5 @@ def check_divisible(analysis: Analysis) -> None:
         )
 
 
-__all__ = ["Analysis", "Region", "activations_of", "analyze", "spread", "check_divisible", "weight_specs",
+__all__ = ["Analysis", "Region", "activations_of", "analyze", "upstream", "spread", "check_divisible", "weight_specs",
            "plain_shard", "Replicate"]

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
+from .analysis import activations_of, upstream
 from .layers import find_layers
-from .meta import USER, comm_kind, input_of, module_path
+from .meta import comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
 OUTSIDE = "outside the layers"
@@ -66,27 +67,10 @@ class LayerComm:
         return "; ".join(parts)
 
 
-def _upstream(n: Node, through=lambda a: True):
-    seen, todo = {n}, [n]
-    while todo:
-        a = todo.pop()
-        yield a
-        if through(a):
-            for b in a.all_input_nodes:
-                if b not in seen:
-                    seen.add(b)
-                    todo.append(b)
-
-
-def _reads_activation(n: Node) -> bool:
-    """n depends on a user input (an activation), not only on weights and buffers."""
-    return any(a.op == "placeholder" and input_of(a).kind == USER for a in _upstream(n))
-
-
 def _of_statistic(n: Node) -> bool:
     """n is computed from a `stat` all-reduce (an RMSNorm's rsqrt of the mean over all heads) before any other
     collective: its f carries b*s values, not an activation."""
-    return any(comm_kind(a) == "stat" for a in _upstream(n, through=lambda a: comm_kind(a) is None))
+    return any(comm_kind(a) == "stat" for a in upstream(n, through=lambda a: comm_kind(a) is None))
 
 
 def _floating(n: Node) -> bool:
@@ -94,13 +78,13 @@ def _floating(n: Node) -> bool:
     return value is not None and getattr(value, "is_floating_point", lambda: False)()
 
 
-def kind_of(n: Node) -> str | None:
+def kind_of(n: Node, activations: set[Node]) -> str | None:
     """The collective n calls, with f of a weight, f of a statistic and the scatter of a weight or buffer told apart
-    ("f weight", "f stat", "scatter state")."""
+    ("f weight", "f stat", "scatter state"); activations: the graph's nodes computed from a model input."""
     kind = comm_kind(n)
-    if kind == "scatter" and not (_reads_activation(n.args[0]) and _floating(n.args[0])):
+    if kind == "scatter" and not (n.args[0] in activations and _floating(n.args[0])):
         return "scatter state"  # a weight, buffer or integer value: its all-gather in backward is small or none
-    if kind == "f" and not _reads_activation(n.args[0]):
+    if kind == "f" and n.args[0] not in activations:
         return "f weight"
     if kind == "f" and _of_statistic(n.args[0]):
         return "f stat"
@@ -110,11 +94,11 @@ def kind_of(n: Node) -> str | None:
 def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
     """Every layer's collectives in the tensor-parallel graph `gm`, in layer order, then those outside the layers
     (omitted when there are none). A layer with no collective is listed too."""
-    layers = find_layers(gm)
+    layers, activations = find_layers(gm), activations_of(gm)
     entries = list(layers.sequence) or list(dict.fromkeys(layers.entry_of.values()))
     found: dict[str, list[Collective]] = {e: [] for e in entries}
     for n in gm.graph.nodes:
-        kind = kind_of(n) if comm_kind(n) else None
+        kind = kind_of(n, activations) if comm_kind(n) else None
         if kind is None:
             continue
         src = n.args[0]
@@ -126,6 +110,7 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
         found.setdefault(layers.entry_of.get(reader, OUTSIDE), []).append(collective)
     if not found.get(OUTSIDE):
         found.pop(OUTSIDE, None)
+
     def of(cs, kinds, inside=True):
         return tuple(c for c in cs if (c.kind in kinds) == inside)
 

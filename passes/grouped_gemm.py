@@ -113,6 +113,8 @@ def expert_bmm_form(n: Node, params: set[Node]) -> tuple[Node, Node] | None:
     if n.op != "call_function" or n.target is not aten.bmm.default or n.args[1] not in params:
         return None
     return n.args[0], n.args[1]
+
+
 _HF_GROUPED_MM = "transformers.grouped_mm_fallback.default"  # str() of the OpOverload, present once transformers is
 
 

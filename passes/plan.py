@@ -1,6 +1,7 @@
 """The plan: every sharding decision as data, with a printable table."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -65,15 +66,10 @@ class Plan:
 
     def comm_table(self) -> str:
         """One row per run of consecutive layers with the same counts (`model.layers.0..11`)."""
-        runs: list[list] = []
-        for c in self.comm:
-            key = (len(c.forward), len(c.backward), len(c.small), c.above_bound)
-            if runs and runs[-1][0] == key and OUTSIDE not in (c.layer, runs[-1][1][-1].layer):
-                runs[-1][1].append(c)
-            else:
-                runs.append([key, [c]])
         rows = []
-        for (fwd, bwd, small, _), cs in runs:
+        for (fwd, bwd, small, _, _), run in itertools.groupby(self.comm, key=lambda c: (
+                len(c.forward), len(c.backward), len(c.small), c.above_bound, c.layer == OUTSIDE)):
+            cs = list(run)
             span = cs[0].layer if len(cs) == 1 else f"{cs[0].layer}..{cs[-1].layer.rsplit('.', 1)[-1]}"
             rows.append([span, fwd, bwd, small, cs[0].note])
         return tabulate(rows, headers=["layers", "forward", "backward", "small", "above Megatron's 2 + 2 (why)"])

@@ -307,6 +307,12 @@ def softmax(node: Node, ctx: Ctx) -> Decision:
 _PARTIAL_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 
 
+def reduced(s: Shard, dims, keep: bool) -> Shard:
+    """The shard of a reduction over `dims` (not the sharded dim): in place with keepdim, else moved left past the
+    reduced dims before it."""
+    return s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim))
+
+
 def reduction(node: Node, ctx: Ctx) -> Decision:
     """Over other dims the shard passes through. A sum or mean over the sharded dim is exact as this rank's partial
     sum, all-reduced ([Note: partial statistics] in tp.py): role "reduce", the output Replicate."""
@@ -316,7 +322,7 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
     dims = {_norm(d, nd) for d in dims} if dims else set(range(nd))  # no dims (or []): every dim
     keep = bool(arg(node, "keepdim", False))
     if s.dim not in dims:
-        return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+        return Decision(reduced(s, dims, keep))
     if node.target in _PARTIAL_SUMS:
         return Decision(R, role="reduce")
     raise NoRule(f"{node.name}: {node.target.__name__} reduces over the sharded dim {s.dim}")
@@ -336,8 +342,7 @@ def along_dim(node: Node, ctx: Ctx) -> Decision:
     d = _norm(dim, nd)
     if d == s.dim:
         raise NoRule(f"{node.name}: {node.target.__name__} along the sharded dim {d}")
-    keep = node.target in _KEEP_RANK or bool(arg(node, "keepdim", False))
-    out = s if keep else s.moved(s.dim - (1 if d < s.dim else 0))
+    out = reduced(s, {d}, node.target in _KEEP_RANK or bool(arg(node, "keepdim", False)))
     return Decision((out, out) if node.target in _PAIRS else out)
 
 

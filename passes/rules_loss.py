@@ -10,7 +10,7 @@ import torch
 from torch.fx import Node
 
 from .placements import Replicate
-from .rules import R, Ctx, Decision, NoRule, arg
+from .rules import R, Ctx, Decision, NoRule, arg, reduced
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def logsumexp(node: Node, ctx: Ctx) -> Decision:
     dims = {d % nd for d in arg(node, "dim")}
     keep = bool(arg(node, "keepdim", False))
     if s.dim not in dims:
-        return Decision(s if keep else s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+        return Decision(reduced(s, dims, keep))
     if dims != {s.dim}:
         raise NoRule(f"{node.name}: logsumexp over the sharded dim {s.dim} and others {sorted(dims - {s.dim})}")
     _class_block(node, ctx, s.dim)

@@ -128,3 +128,16 @@ def sgd_gaps(pm, reference, args, kwargs=None, lr: float = 0.5) -> tuple[float, 
         opt.step()
     full, want = getattr(pm, "full_state_dict", pm.state_dict)(), reference.state_dict()
     return fwd, max((full[k].double() - want[k].double()).abs().max().item() for k in want)
+
+
+class Stack(torch.nn.Module):
+    """`n` layers made by `layer()` in a ModuleList, run in order: the smallest model with a layer list."""
+
+    def __init__(self, layer, n: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layer() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -9,7 +9,7 @@ from fxpar.api import build
 from fxpar.passes.comm_audit import per_layer
 from fxpar.passes.ops import TPComm
 from tests import models
-from tests.models import sgd_gaps
+from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks
 
 H = 16
@@ -56,17 +56,6 @@ class LowRank(nn.Module):
 
     def forward(self, x):
         return x + self.down(torch.relu(self.b(torch.tanh(self.a(self.norm(x))))))
-
-
-class Stack(nn.Module):
-    def __init__(self, layer, n=2):
-        super().__init__()
-        self.layers = nn.ModuleList(layer() for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _plan(model, args, kwargs=None):

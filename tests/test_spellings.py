@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fxpar.api import build
 from fxpar.passes.comm_audit import per_layer
 from fxpar.passes.ops import TPComm
-from tests.models import sgd_gaps
+from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks
 
 H, HEADS, SEQ, E, INNER = 32, 4, 6, 4, 16
@@ -73,15 +73,8 @@ class Layer(nn.Module):
         return self.moe(self.attn(x))
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(Layer() for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+def Model() -> Stack:
+    return Stack(Layer)
 
 
 def _x():

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from fxpar.weights import tensor_keys
-from tests.models import sgd_gaps
+from tests.models import Stack, sgd_gaps
 from tests.harness import module_pool
 from tests.threaded import on_tp_ranks
 
@@ -41,15 +41,8 @@ class SplitOnSave(nn.Module):
         return x + self.wo(o.transpose(1, 2).reshape(b, t, H))
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(SplitOnSave() for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+def Model() -> Stack:
+    return Stack(SplitOnSave)
 
 
 def test_tensor_keys_are_the_state_dict_without_its_hooks():
