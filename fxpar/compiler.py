@@ -30,6 +30,7 @@ from fxpar.passes.fusion import fusion_pass
 from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.passes.local_shapes import input_device, local_shapes_pass, meta_state_device, place_meta_state_pass
 from fxpar.passes.lower_schedule import Program, lower_program
+from fxpar.passes.merge_comm import merge_comm_pass
 from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
 from fxpar.passes.ops import TPComm
 from fxpar.passes.partition import Partition, partition_pass, whole_graph
@@ -143,6 +144,10 @@ def _tensor_parallel(c: Compiled) -> GraphModule:
     return tensor_parallel_pass(c.gm, c.analysis, c.target.comm)
 
 
+def _merge_comm(c: Compiled) -> GraphModule:
+    return merge_comm_pass(c.gm, c.target.comm)
+
+
 def _local_shapes(c: Compiled) -> GraphModule:
     return local_shapes_pass(c.gm, c.specs, c.target.comm.size) if c.analysis.decisions else c.gm
 
@@ -215,6 +220,7 @@ STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     ("canonicalize", "gm", _canonicalize),  # the working copy: tied weights merged, asserts dropped, GEMMs in one form
     ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
+    ("merge_comm", "gm", _merge_comm),  # g moved past linear ops, two partial sums one g; f's of one value one f
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
     ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, GeLU (Config.fuse; recomputed: "selective")

@@ -6,8 +6,8 @@ Glossary
     backward   those that move activation gradients in backward: f (all-reduce), and a scatter's all-gather
     small      the rest, which move at most a few values per token or a weight's gradient: the all-reduce of a
                partial statistic (`stat`, and its f), f of a replicated weight read inside a region (its gradient
-               summed, as Megatron does a QK-norm's), a weight's or buffer's scatter, the vocabulary's per-token
-               all-reduces
+               summed, as Megatron does a QK-norm's), f of a per-token factor that scales a partial sum (a routing
+               weight, passes/merge_comm.py), a weight's or buffer's scatter, the vocabulary's per-token all-reduces
     layer      an entry of the stacks passes/layers.py finds (`model.layers.3`); a collective belongs to the layer of
                the value it moves. Collectives outside every layer (the vocabulary's, a final norm's f) are listed
                under "outside the layers".
@@ -23,17 +23,18 @@ from torch.fx import GraphModule, Node
 
 from .analysis import activations_of, upstream
 from .layers import find_layers
-from .meta import comm_kind, module_path
+from .meta import FXPAR_SCALE, comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
 OUTSIDE = "outside the layers"
 _FORWARD = {"g", "gather"}
 _BACKWARD = {"f", "scatter"}
+_SMALL_F = {"f weight", "f stat", "f scale"}
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # a COMM_KINDS key, or "f weight" / "f stat" for the small f's
+    kind: str  # a COMM_KINDS key, or "f weight" / "f stat" / "f scale" for the small f's
     node: str  # the collective's node
     module: str  # the module path of the value it moves
     shape: tuple[int, ...]  # the value's shape on this rank
@@ -86,6 +87,8 @@ def kind_of(n: Node, activations: set[Node]) -> str | None:
         return "scatter state"  # a weight, buffer or integer value: its all-gather in backward is small or none
     if kind == "f" and n.args[0] not in activations:
         return "f weight"
+    if kind == "f" and n.meta.get(FXPAR_SCALE):
+        return "f scale"
     if kind == "f" and _of_statistic(n.args[0]):
         return "f stat"
     return kind
@@ -105,7 +108,7 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
         value = src.meta.get("val")
         shape = tuple(value.shape) if value is not None and hasattr(value, "shape") else ()
         # an f (or scatter) belongs to the layer whose region it enters, a g to the one whose region it closes
-        reader = next(iter(n.users), src) if kind in _BACKWARD | {"f weight", "f stat"} and n.users else src
+        reader = next(iter(n.users), src) if kind in _BACKWARD | _SMALL_F and n.users else src
         collective = Collective(kind, n.name, module_path(reader), shape)
         found.setdefault(layers.entry_of.get(reader, OUTSIDE), []).append(collective)
     if not found.get(OUTSIDE):

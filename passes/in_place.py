@@ -6,8 +6,9 @@ all-reduce writes into its tensor, so by default each clones first: the tensor m
 gradient handed to two branches, a value an op saved for its backward). The copy is dropped only where the graph
 proves it is the sole reader:
 
-    g   its input is a GEMM's output (linear, mm, addmm, bmm, fxpar's expert GEMMs), read by nothing but g: a fresh
-        tensor that no backward saves (a GEMM's backward saves its inputs, not its output).
+    g   its input is a GEMM's output (linear, mm, addmm, bmm, fxpar's expert GEMMs), or a sum, difference or product
+        (two partial sums merged into one g, passes/merge_comm.py), read by nothing but g: a fresh tensor that no
+        backward saves (each of these ops' backward saves its inputs, if anything, not its output).
     f   every reader of its output is a GEMM taking it as the activation: each one's input gradient is a fresh
         tensor (the GEMM's backward computes it), and autograd sums several into a fresh buffer.
 
@@ -25,7 +26,8 @@ from .meta import comm_kind
 from .rules import GEMM_WEIGHT_ARG
 
 aten = torch.ops.aten
-_FRESH = set(GEMM_WEIGHT_ARG) | {aten.bmm.default, aten.matmul.default}
+_FRESH = set(GEMM_WEIGHT_ARG) | {aten.bmm.default, aten.matmul.default, aten.add.Tensor, aten.sub.Tensor,
+                                 aten.sum.dim_IntList, aten.mul.Tensor}
 
 
 def _activation_of_gemm(user: Node, value: Node) -> bool:

@@ -13,6 +13,8 @@ submodule name. Glossary of the keys:
     FXPAR_FUSED      on the nodes a fusion made: the fusion's name ("sdpa", "bias_gelu_linear", ...).
     FXPAR_RECOMPUTE  on the call of a checkpointed region: "full:<layer>" or "selective:<layer>".
     FXPAR_RANDOM     on a random op's call: the stream it draws from ("replicated" or "sharded", passes/rng.py).
+    FXPAR_SCALE      on an f of a per-token factor that scales a partial sum (a routing weight, passes/merge_comm.py):
+                     it all-reduces a few values per token, not an activation.
     FXPAR_ASSUMES    on a node a fusion made from concrete buffer values (a mask proven causal): the GraphInputs
                      whose values it relied on; the executable checks them before each call.
 
@@ -35,6 +37,7 @@ FXPAR_FUSED = "fxpar_fused"
 FXPAR_RECOMPUTE = "fxpar_recompute"
 FXPAR_RANDOM = "fxpar_random"
 FXPAR_ASSUMES = "fxpar_assumes"
+FXPAR_SCALE = "fxpar_scale"
 
 # the collectives the tensor-parallel pass inserts (passes/ops.py): kind -> what it does, as `fxpar show` says it
 COMM_KINDS = {

@@ -14,8 +14,8 @@ from tests import models
 
 def test_the_stage_list_is_the_whole_compiler():
     assert [name for name, _, _ in STAGES] == [
-        "trace", "canonicalize", "analyze", "tensor_parallel", "local_shapes", "keep_tp_graph", "fuse", "random_streams",
-        "recompute", "in_place",
+        "trace", "canonicalize", "analyze", "tensor_parallel", "merge_comm", "local_shapes", "keep_tp_graph", "fuse",
+        "random_streams", "recompute", "in_place",
         "partition", "schedule", "lower", "prove", "compile"]
     assert all(hasattr(Compiled, product) or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)
 
