@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import threading
 import traceback
 
@@ -47,10 +49,22 @@ def preserve_global_state():
         raise
 
 
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of torch's and fxpar's own modules (fxpar's three packages), each ending in a separator. A frame
+    is theirs by where its module lives, never by a word in its path: a user's clone may be a folder named fxpar."""
+    import fxpar.cost
+    import fxpar.passes
+
+    return tuple(os.path.join(os.path.dirname(os.path.realpath(m.__file__)), "")
+                 for m in (torch, fxpar, fxpar.passes, fxpar.cost))
+
+
 def _where() -> str:
     """The user's line that made the call (the innermost frame outside torch and fxpar)."""
+    ours = _library_dirs()
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/torch/" not in frame.filename and "/fxpar/" not in frame.filename:
+        if not os.path.realpath(frame.filename).startswith(ours):
             return f"{frame.filename}:{frame.lineno} ({frame.line})"
     return "?"
 

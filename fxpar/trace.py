@@ -160,8 +160,37 @@ def _program(model: torch.nn.Module, loss_fn, compute_dtype):
     return types.MethodType(program, model)
 
 
+def distinct_inputs(tree, model: torch.nn.Module | None = None):
+    """`tree` (of args, kwargs) with every tensor that shares storage with an earlier one, or with a parameter or
+    buffer of `model`, replaced by a copy of the same shape, strides and value ([Note: inputs are traced
+    distinct])."""
+    state = () if model is None else (*model.parameters(), *model.buffers())
+    seen = {t.untyped_storage()._cdata for t in state}
+
+    def distinct(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        storage = x.untyped_storage()._cdata
+        if storage not in seen:
+            seen.add(storage)
+            return x
+        return _copy(x)
+
+    return pytree.tree_map(distinct, tree)
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """x in storage of its own, strides kept where they address each element once (not an expand's zeros)."""
+    with torch.no_grad():
+        try:
+            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+        except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written: a dense copy
+            out = x.clone(memory_format=torch.contiguous_format)
+    return out.requires_grad_(x.requires_grad)
+
+
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_fn=None, compute_dtype=None) -> Traced:
-    kwargs = kwargs or {}
+    args, kwargs = distinct_inputs((tuple(args), kwargs or {}), model)
     name = type(model).__name__
     hooked = backward_hooks(model)
     if hooked:
