@@ -7,6 +7,8 @@ This pass rewrites them (in place, before the analysis) as
 
     matmul / mm (x, T(W))            -> linear(x, W)                      T: t, numpy_T, transpose or permute of 2 dims
     addmm(b, x, T(W))                -> linear(x, W, b)
+    addmm(a, x, W, beta=β, alpha=α)  -> add(mm(x, W) * α, a * β)   where a is not a bias of shape [out] (an
+                                        activation, a broadcast column) or β, α are given; then as mm(x, W)
     matmul(x, W), x of rank k >= 2   -> view(mm(reshape(x, [rows, in]), W), [*x.shape[:-1], out])   (mm if k = 2)
     einsum('...c,cf->...f', x, W)    -> as matmul(x, W);   einsum('...c,fc->...f', x, W) -> linear(x, W)
     transformers::grouped_mm_fallback(x, W.transpose(-2, -1), offs), W [E, out, in]
@@ -92,6 +94,25 @@ def _as_mm(gm: GraphModule, n: Node, x: Node, w: Node, mode: FakeTensorMode) -> 
     gm.graph.erase_node(n)
 
 
+def _bias_apart(gm: GraphModule, n: Node, mode: FakeTensorMode) -> bool:
+    """addmm(a, x, W, beta=β, alpha=α) as add(mm(x, W) * α, a * β), in place of n (which keeps its name and
+    FXPAR_ORIGIN), unless a is a plain bias: a node of shape [out] with β = α = 1. The analysis then sees a GEMM
+    and an elementwise add, each with its own rule, instead of an additive term it would shard like a bias."""
+    a, x, w = n.args
+    beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+    out = n.meta["val"]
+    if beta == 1 and alpha == 1 and isinstance(a, Node) and tuple(a.meta["val"].shape) == (out.shape[-1],):
+        return False
+    with gm.graph.inserting_before(n):
+        prod = _call(gm, n, aten.mm.default, (x, w), _fake(mode, out, out.shape))
+        if alpha != 1:
+            prod = _call(gm, n, aten.mul.Tensor, (prod, alpha), _fake(mode, out, out.shape))
+        if beta != 1:
+            a = _call(gm, n, aten.mul.Tensor, (a, beta), _fake(mode, out, a.meta["val"].shape))
+    n.target, n.args, n.kwargs = aten.add.Tensor, (prod, a), {}
+    return True
+
+
 def _as_linear(gm: GraphModule, n: Node, x: Node, w: Node, bias=None) -> None:
     with gm.graph.inserting_before(n):
         out = _call(gm, n, aten.linear.default, (x, w) if bias is None else (x, w, bias), n.meta["val"])
@@ -105,6 +126,9 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
     params = param_nodes(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     changed = False
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is aten.addmm.default:
+            changed |= _bias_apart(gm, n, mode)
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue

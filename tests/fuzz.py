@@ -87,18 +87,19 @@ def _refusal(e: Exception) -> str | None:
 
 
 def build_model(source: str):
-    """(model, args, kwargs) of a generated source; build it in one thread (its weights come from the global
-    generator, which threads share) and hand each rank a copy."""
-    Model, example = load(source)
+    """(model, args, kwargs, call_args, call_kwargs) of a generated source: the example it is traced with and the
+    inputs it is checked on (which may alias differently); build it in one thread (its weights come from the
+    global generator, which threads share) and hand each rank a copy."""
+    Model, example, call = load(source)
     torch.manual_seed(0)
     model = Model()
-    args, kwargs = example()
-    return model, args, kwargs
+    return (model, *example(), *call())
 
 
-def check(model, args, kwargs, mesh, traced=None) -> dict:
-    """The outcome of one generated model on this rank (see the module docstring), to TOL of its dtype.
-    traced: the model's trace, made once for all ranks and both builds (tracing is most of the time)."""
+def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
+    """The outcome of one generated model on this rank (see the module docstring), to TOL of its dtype: traced
+    and built on (args, kwargs), checked on (cargs, ckwargs). traced: the model's trace, made once for all ranks
+    and both builds (tracing is most of the time)."""
     import fxpar
     from fxpar.api import build
     from fxpar.compiler import retarget
@@ -107,7 +108,7 @@ def check(model, args, kwargs, mesh, traced=None) -> dict:
     tol = TOL[next(model.parameters()).dtype]
     reference, chain_model, chain_ref = (copy.deepcopy(model) for _ in range(3))
     try:
-        want = reference(*args, **kwargs)
+        want = reference(*cargs, **ckwargs)
     except Exception:
         return {"outcome": "invalid", "detail": traceback.format_exc()}
     if not all(torch.isfinite(w).all() for w in _flat(want)):
@@ -117,7 +118,7 @@ def check(model, args, kwargs, mesh, traced=None) -> dict:
     try:
         pm = build(model, tp_comm(mesh), args, kwargs, mesh, config, traced=traced)
         first = pm.compiled  # before the step: the program the p=2 check cuts (retarget shares its stages)
-        got = pm(*args, **kwargs)
+        got = pm(*cargs, **ckwargs)
         fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(want)))
         params = _sgd_gap(list(pm.parameters()), pm.full_state_dict, reference, got, want)
         sharded = bool(pm.plan.sharded_regions)
@@ -131,9 +132,9 @@ def check(model, args, kwargs, mesh, traced=None) -> dict:
         return result  # every rank takes the same branch, or one would wait in a collective alone
     try:
         pp = ParallelModule(chain_model, retarget(first, chain_model, pp=2))
-        got = _chained(pp, args, kwargs)
-        fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(chain_ref(*args, **kwargs))))
-        params = _sgd_gap(list(pp.parameters()), pp.full_state_dict, chain_ref, got, chain_ref(*args, **kwargs))
+        got = _chained(pp, cargs, ckwargs)
+        fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(chain_ref(*cargs, **ckwargs))))
+        params = _sgd_gap(list(pp.parameters()), pp.full_state_dict, chain_ref, got, chain_ref(*cargs, **ckwargs))
     except Exception as e:
         if _refusal(e):
             return result | {"pipeline": "refused", "pipeline_reason": _refusal(e)}
@@ -175,8 +176,8 @@ def run_one(source: str, world: int = 2, timeout_s: float = 120.0) -> dict:
     result = _on_ranks(built, world, timeout_s)
     if result["outcome"] != "mismatch":
         return result
-    model, args, kwargs = built
-    wide_built = (copy.deepcopy(model).double(), _double(args), _double(kwargs))
+    model, *inputs = built
+    wide_built = (copy.deepcopy(model).double(), *map(_double, inputs))
     own = _own_rounding(built, wide_built)
     wide = _on_ranks(wide_built, world, timeout_s)
     if wide["outcome"] == "exact" and result["gap"] <= 10 * own or wide["outcome"] == "mismatch" and \
@@ -191,7 +192,7 @@ _EPS_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
 
 def _own_rounding(built, wide_built) -> float:
     """How far the unmodified model's float32 forward and SGD step land from its float64 ones."""
-    (model, args, kwargs), (wide, wargs, wkwargs) = copy.deepcopy(built), copy.deepcopy(wide_built)
+    (model, *_, args, kwargs), (wide, *_, wargs, wkwargs) = copy.deepcopy(built), copy.deepcopy(wide_built)
     got, want = model(*args, **kwargs), wide(*wargs, **wkwargs)
     forward = max(_gap(g.double(), w) for g, w in zip(_flat(got), _flat(want)))
     params = _sgd_gap(list(model.parameters()), lambda: {k: v.double() for k, v in model.state_dict().items()}, wide,
@@ -206,13 +207,14 @@ def _double(tree):
 
 
 def _on_ranks(built, world: int, timeout_s: float) -> dict:
-    """check() on `world` threaded ranks, each on its own copy of built = (model, args, kwargs); the worst rank's."""
+    """check() on `world` threaded ranks, each on its own copy of built = (model, args, kwargs, call_args,
+    call_kwargs); the worst rank's."""
     import fxpar
     from fxpar.trace import trace
 
     copies = [copy.deepcopy(built) for _ in range(world)]
     try:
-        traced = trace(*built)
+        traced = trace(*built[:3])
     except Exception as e:
         reason = _refusal(e)
         return {"outcome": "refused", "reason": reason} if reason else \

@@ -4,7 +4,9 @@
 example args and kwargs): a deterministic function of the seed, so a failing model is saved and rerun as a
 standalone file. The grammar covers the op families the rules cover and the hazards of the soundness issue:
 
-    GEMMs        nn.Linear, F.linear, x @ W.t(), x @ W, einsum('bsh,hf->bsf'), addmm on a flattened input
+    GEMMs        nn.Linear, F.linear, x @ W.t(), x @ W, einsum('bsh,hf->bsf'), addmm on a flattened input, addmm
+                 whose additive term is an activation or a broadcast column (with beta/alpha), a weight on the left
+                 (W @ x^T)^T
     activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up)
     attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V, rotary
                  arithmetic, scores by matmul or einsum, causal masks (a buffer, triu built in the graph, additive),
@@ -12,7 +14,12 @@ standalone file. The grammar covers the op families the rules cover and the haza
     norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
     blocks       pre-norm, post-norm, parallel attention + MLP; a ModuleList of layers
     hazards      a parameter read twice (regularizer), a weight shared by two GEMMs, a sharded value returned,
-                 a mode-dependent branch, dropout, token embeddings tied or not, sizes t divides and not
+                 a mode-dependent branch, dropout, token embeddings tied or not, sizes t divides and not, a
+                 second input that aliases the first at trace time (the same tensor, an overlapping view, by
+                 keyword) and is distinct when called, or the reverse
+
+The hazards added after the first grammar draw from a second generator (`_hazards(seed)`), so the models of the
+seeds that came before keep their structure.
 """
 from __future__ import annotations
 
@@ -34,8 +41,8 @@ class _Code:
 class _Layer:
     """Emits one layer's __init__ and forward lines over the residual stream `x` of shape (B, S, H)."""
 
-    def __init__(self, rng: random.Random, cfg: dict):
-        self.r, self.c, self.code = rng, cfg, _Code()
+    def __init__(self, rng: random.Random, cfg: dict, hazards: random.Random):
+        self.r, self.c, self.code, self.h = rng, cfg, _Code(), hazards
         self.side = None  # a hidden activation the model also returns
 
     def param(self, *shape) -> str:
@@ -50,6 +57,8 @@ class _Layer:
     def gemm(self, inp: str, fin: int, fout: int, bias: bool | None = None, batched: bool = False) -> str:
         """inp (B, S, fin) -> (B, S, fout) in a random spelling; `batched`: inp has more leading dims (per head)."""
         r, out = self.r, self.code.name("h")
+        if self.h.random() < 0.12:
+            return self.odd_gemm(inp, fin, fout, batched, out)
         bias = r.random() < 0.5 if bias is None else bias
         spellings = ["linear", "linear", "F.linear", "wt", "w"] + ([] if batched else ["einsum", "addmm"])
         spelling = r.choice(spellings)
@@ -71,6 +80,27 @@ class _Layer:
         else:
             self.emit(f"{out} = torch.addmm({b}, {inp}.flatten(0, 1), {w}).view({inp}.shape[0], {inp}.shape[1], "
                       f"{fout})")
+        return out
+
+    def odd_gemm(self, inp: str, fin: int, fout: int, batched: bool, out: str) -> str:
+        """A weight on the left, (W @ x^T)^T, or addmm with an additive term that is not a bias: an activation (the
+        input when fin == fout, else a second GEMM of it) or a broadcast column, with or without beta/alpha."""
+        h = self.h
+        if batched or h.random() < 0.4:
+            w = self.param(fout, fin)
+            self.emit(f"{out} = ({w} @ {inp}.transpose(-2, -1)).transpose(-2, -1)")
+            return out
+        flat = f"{inp}.flatten(0, 1)"
+        w = self.param(fin, fout)
+        term = h.choice(["column", "activation"])
+        if term == "column":
+            add = f"{flat}.mean(-1, keepdim=True)"
+        elif fin == fout:
+            add = flat
+        else:
+            add = f"({flat} @ {self.param(fin, fout)})"
+        scale = h.choice(["", "", ", beta=0.5", ", alpha=2.0", ", beta=0.5, alpha=2.0"])
+        self.emit(f"{out} = torch.addmm({add}, {flat}, {w}{scale}).view({inp}.shape[0], {inp}.shape[1], {fout})")
         return out
 
     def act(self, h: str) -> str:
@@ -220,11 +250,33 @@ def _config(r: random.Random) -> dict:
                 regularize=r.random() < 0.1, head=r.random() < 0.7, side=r.random() < 0.08)
 
 
+def _hazards(seed: int) -> random.Random:
+    return random.Random(f"fxpar hazards {seed}")
+
+
+_ALIASINGS = ["none", "none", "same", "view"]  # how the second input relates to the first, in a call
+
+
+def _inputs(c: dict, how: str, seed: int, by_name: bool) -> list[str]:
+    """The lines of a function body returning (args, kwargs): the first input, and a second one (`aux`) that is a
+    fresh tensor, the same tensor, or an overlapping view of the first's storage ([Note: inputs are traced
+    distinct] in fxpar/trace.py)."""
+    H, S, V = c["H"], c["S"], c["vocab"]
+    fresh = f"torch.randint(0, {V}, (2, {S}), generator=g)" if V else f"torch.randn(2, {S}, {H}, generator=g)"
+    lines = [f"    g = torch.Generator().manual_seed({seed})",
+             f"    base = torch.randint(0, {V}, (2, {S} + 1), generator=g)" if V else
+             f"    base = torch.randn(2, {S} + 1, {H}, generator=g)",
+             "    inp = base[:, :-1]",
+             {"none": f"    aux = {fresh}", "same": "    aux = inp", "view": "    aux = base[:, 1:]"}[how]]
+    return lines + ["    return (inp,), {'aux': aux}" if by_name else "    return (inp, aux), {}"]
+
+
 def generate(seed: int) -> str:
     """The source of one random model (see the module docstring)."""
-    r = random.Random(seed)
+    r, hazards = random.Random(seed), _hazards(seed)
     c = _config(r)
-    layer = _Layer(r, c).build(c["carry"])
+    aliasing = hazards.random() < 0.25  # a second input, aliasing the first in the example or in the call
+    layer = _Layer(r, c, hazards).build(c["carry"])
     H, S, V = c["H"], c["S"], c["vocab"]
     lines = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", "",
              f"CONFIG = {c!r}", "", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
@@ -238,7 +290,9 @@ def generate(seed: int) -> str:
         lines.append(f"        self.head = nn.Linear({H}, {V or H}, bias={not c['tied']})")
         if c["tied"]:
             lines.append("        self.head.weight = self.wte.weight")
-    lines += ["", "    def forward(self, inp):", "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
+    forward = "    def forward(self, inp, aux=None):" if aliasing else "    def forward(self, inp):"
+    lines += ["", forward, "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
+              *(["        x = x + 0.5 * (self.wte(aux) if hasattr(self, 'wte') else aux)"] if aliasing else []),
               f"        prev = torch.zeros(x.shape[0], {c['heads']}, {S}, {S})", "        side = []",
               "        for layer in self.layers:", "            x, prev, s = layer(x, prev)",
               "            if s is not None:", "                side.append(s)"]
@@ -246,15 +300,23 @@ def generate(seed: int) -> str:
         lines.append("        x = self.head(x)")
     if c["regularize"]:
         lines.append("        x = x + 1e-3 * sum(p.pow(2).sum() for p in self.layers[0].parameters())")
-    lines += ["        return (x, *side) if side else x", "", "", "def example():",
-              "    g = torch.Generator().manual_seed(1)"]
-    lines.append(f"    return (torch.randint(0, {V}, (2, {S}), generator=g),), {{}}" if V else
-                 f"    return (torch.randn(2, {S}, {H}, generator=g),), {{}}")
+    lines += ["        return (x, *side) if side else x", "", ""]
+    if aliasing:  # traced with one aliasing of (inp, aux), called with another
+        traced, called = hazards.sample(_ALIASINGS, 2)
+        by_name = hazards.random() < 0.5
+        lines += ["def example():", *_inputs(c, traced, 1, by_name), "", "",
+                  "def call():  # the inputs the check calls with, after tracing with example()",
+                  *_inputs(c, called, 2, by_name)]
+    else:
+        lines += ["def example():", "    g = torch.Generator().manual_seed(1)",
+                  f"    return (torch.randint(0, {V}, (2, {S}), generator=g),), {{}}" if V else
+                  f"    return (torch.randn(2, {S}, {H}, generator=g),), {{}}"]
     return "\n".join(lines) + "\n"
 
 
 def load(source: str):
-    """(Model class, example function) of a generated source, in a namespace of its own."""
+    """(Model class, example function, call function) of a generated source, in a namespace of its own; the call
+    function gives the inputs to check with (the example's, unless the source defines `call`)."""
     namespace: dict = {}
     exec(compile(source, "<fxpar fuzz model>", "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["Model"], namespace["example"]
+    return namespace["Model"], namespace["example"], namespace.get("call", namespace["example"])

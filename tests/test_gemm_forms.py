@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from expecttest import TestCase
 from torch.fx import GraphModule
 
 from fxpar.passes.gemm_forms import gemm_forms_pass
@@ -123,3 +124,76 @@ def test_a_non_contiguous_activation_folds_like_matmul_does():
     model, x = M(), torch.randn(3, 2, H)
     traced, gm, flat = _rewritten(model, x)
     assert torch.equal(gm(*flat)[0], traced.gm(*flat)[0])
+
+
+class AdditiveTerms(nn.Module):
+    """addmm whose additive term is not a bias of shape [out]: an activation (column and row GEMMs), a broadcast
+    column, and beta/alpha. Each once crashed a later stage (local_shapes: a 2-D term scattered like a bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(H, F) / H ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(F, H) / F ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(H, F) / H ** 0.5)
+        self.w4 = nn.Parameter(torch.randn(H, F) / H ** 0.5)
+
+    def forward(self, x):
+        h = x.flatten(0, 1)  # (b*s, H)
+        a = torch.relu(torch.addmm(h @ self.w3, h, self.w1))  # an activation added to a column GEMM
+        a = a + torch.addmm(h[:, :1], h, self.w4, beta=0.5, alpha=2.0)  # a broadcast column, beta and alpha
+        y = torch.addmm(h * 2, a, self.w2)  # an activation added to a row GEMM
+        return x + y.view_as(x)
+
+
+def _gemm_lines(gm: GraphModule) -> str:
+    """The graph's GEMMs, products and sums, one per line, as `name = op(args)`."""
+    keep = (aten.mm.default, aten.addmm.default, aten.mul.Tensor, aten.add.Tensor, aten.linear.default)
+    return "".join(f"{n.name} = {n.target.__name__}({', '.join(map(str, n.args))})\n" for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target in keep)
+
+
+def test_an_additive_term_that_is_not_a_bias_becomes_an_add():
+    torch.manual_seed(0)
+    model, x = AdditiveTerms(), torch.randn(2, 3, H)
+    traced, gm, flat = _rewritten(model, x)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.addmm.default not in targets and targets.count(aten.mm.default) == 4
+    torch.testing.assert_close(gm(*flat)[0], traced.gm(*flat)[0], rtol=0, atol=1e-6)
+    TestCase().assertExpectedInline(_gemm_lines(gm), """\
+mm_default_3 = mm.default(flatten, p_w3)
+mm_default = mm.default(flatten, p_w1)
+addmm = add.Tensor(mm_default, mm_default_3)
+mm_default_1 = mm.default(flatten, p_w4)
+mul_tensor = mul.Tensor(mm_default_1, 2.0)
+mul_tensor_1 = mul.Tensor(slice_1, 0.5)
+addmm_1 = add.Tensor(mul_tensor, mul_tensor_1)
+add = add.Tensor(relu, addmm_1)
+mul = mul.Tensor(flatten, 2)
+mm_default_2 = mm.default(add, p_w2)
+addmm_2 = add.Tensor(mm_default_2, mul)
+add_1 = add.Tensor(x, view_as)
+""")
+
+
+def test_a_plain_bias_stays_addmm():
+    class Conv1D(nn.Module):  # Hugging Face's GPT-2 projection: addmm(b, x, W[in, out])
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.randn(H, F)), nn.Parameter(torch.randn(F))
+
+        def forward(self, x):
+            return torch.addmm(self.b, x.flatten(0, 1), self.w)
+
+    traced, gm, flat = _rewritten(Conv1D(), torch.randn(2, 3, H))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"].count(aten.addmm.default) == 1
+
+
+def test_additive_terms_are_exact_at_t2():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, H)
+
+    def measure(pm, reference):
+        return (*sgd_gaps(pm, reference, (x,)), len(pm.plan.sharded_regions))
+
+    for fwd, params, regions in on_tp_ranks(AdditiveTerms(), (x,), measure):
+        assert fwd <= 1e-5 and params <= 1e-5 and regions >= 1, (fwd, params, regions)
