@@ -36,7 +36,7 @@ def test_the_generator_is_deterministic_and_varied():
     assert generate(7) == generate(7)
     sources = {generate(s) for s in range(20)}
     assert len(sources) == 20
-    features = ["einsum", "addmm", "repeat_interleave", "scaled_dot_product_attention", "masked_fill", "self.head",
+    features = ["einsum", "addmm", "beta=", "transpose(-2, -1)).transpose", "def call", "repeat_interleave", "scaled_dot_product_attention", "masked_fill", "self.head",
                 "nn.Embedding", "F.dropout", "self.training", "unbind", "rsqrt", ".var("]
     missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
     assert not missing, missing
@@ -50,6 +50,18 @@ def test_the_fuzzer_catches_a_wrong_rewrite(monkeypatch):
     real = tp.call_comm
     monkeypatch.setattr(tp, "call_comm", lambda gm, kind, *a, **k: real(gm, "f" if kind == "g" else kind, *a, **k))
     seed = next(s for s in range(50) if "F.gelu" in generate(s) or "F.relu" in generate(s))
+    with Threaded():
+        result = run_one(generate(seed))
+    assert result["outcome"] == "mismatch", result
+
+
+def test_the_fuzzer_catches_inputs_traced_as_one_value(monkeypatch):
+    """Undo [Note: inputs are traced distinct] (fxpar/trace.py): a model traced with its second input the same
+    tensor as its first and called with another must come out a mismatch."""
+    import fxpar.trace as trace
+
+    monkeypatch.setattr(trace, "distinct_inputs", lambda tree, model=None: tree)
+    seed = next(s for s in range(200) if "    aux = inp\n" in generate(s).split("def call")[0])
     with Threaded():
         result = run_one(generate(seed))
     assert result["outcome"] == "mismatch", result
