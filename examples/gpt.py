@@ -108,3 +108,15 @@ def factory(batch: int = 2, **overrides):
 
 def loss_fn(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def next_token_loss(logits, ids):
+    """The language-modelling loss of a batch of token ids: position i predicts token i + 1."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def lm(batch: int = 2, **overrides):
+    """(model, example_args, example_kwargs, loss) for `fxpar check examples/gpt.py:lm`: the loss reads its targets
+    from the input ids."""
+    model, args = factory(batch, **overrides)
+    return model, args, {}, next_token_loss

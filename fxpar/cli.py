@@ -1,4 +1,4 @@
-"""The `fxpar` command line: show | schedule | plan | run | calibrate.
+"""The `fxpar` command line: show | check | schedule | plan | run | calibrate.
 
 Each subcommand lives in its own module, which exposes `add_parser(subparsers)` and registers its handler with
 `parser.set_defaults(func=...)`. This file only wires them together.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "plan": "fxpar.cli_plan",
     "calibrate": "fxpar.cli_plan",
     "run": "fxpar.cli_run",
+    "check": "fxpar.cli_check",
 }
 
 

@@ -196,7 +196,8 @@ class Runtime:
     def run(self, microbatches: list, targets: list) -> torch.Tensor:
         self.inputs, self.targets, self.m = microbatches, targets, len(microbatches)
         self.saved, self.grads_in, self.handoff = {}, {}, {}
-        self.loss = torch.zeros((), device=self.g.device)
+        # float64 on every stage, whatever the model's dtype: the stages all-reduce it, and only the last adds to it
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.g.device)
         for a in self.actions:
             start = time.perf_counter()
             self.handlers[a.kind](a)

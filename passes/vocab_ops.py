@@ -38,6 +38,11 @@ def _block(comm: TPComm, x: torch.Tensor, index: torch.Tensor):
     return (index - start).masked_fill(~inside, 0), inside
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (Megatron's cross-entropy upcasts bf16/fp16 logits); fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _global_max(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return _all_reduce(x.amax(-1), comm, dist.ReduceOp.MAX)
 
@@ -45,7 +50,7 @@ def _global_max(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, reduction, ignore_index, smoothing):
-        x = logits.float()
+        x = _wide(logits)
         vocab = x.shape[-1] * comm.size
         ignored = target == ignore_index
         _check_ids(target.masked_fill(ignored, 0), vocab, "target")
@@ -71,7 +76,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, inside, ignored, count = ctx.saved_tensors
-        grad = grad.float()
+        grad = _wide(grad)
         if ctx.reduction == _MEAN:
             grad = (grad / count).expand(ignored.shape)
         elif ctx.reduction == _SUM:
@@ -97,7 +102,7 @@ class VocabParallelCrossEntropy(_TPModule):
 class _Logsumexp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
-        xf = x.float()
+        xf = _wide(x)
         top = _global_max(xf, comm).unsqueeze(-1)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # all -inf: log(0) = -inf, as torch gives
         out = _all_reduce((xf - top).exp().sum(-1), comm).log() + top.squeeze(-1)
@@ -107,7 +112,7 @@ class _Logsumexp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, out = ctx.saved_tensors
-        return ((x.float() - out.unsqueeze(-1)).exp() * grad.float().unsqueeze(-1)).to(x.dtype), None
+        return ((_wide(x) - out.unsqueeze(-1)).exp() * _wide(grad).unsqueeze(-1)).to(x.dtype), None
 
 
 class VocabParallelLogsumexp(_TPModule):

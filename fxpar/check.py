@@ -1,0 +1,285 @@
+"""The exactness proof for a user's own model and plan, on CPU: K optimizer steps of the parallel model against the
+unmodified model on one process, on the same batches (`fxpar check`, fxpar/cli_check.py).
+
+    result = check(CheckSpec(target="my_model.py:factory", tp=2, pp=2, steps=3))
+    result.status   # "exact" | "mismatch" | "refused" | "failed"
+
+The target's factory returns (model, example_args[, example_kwargs[, loss]]): `loss(output, *args, **kwargs)` is
+one microbatch's scalar loss, given the model's output and the microbatch's inputs (a language model's loss takes
+its targets from the token ids: examples/gpt.py `next_token_loss`). Without one, the loss is the model's own
+`output.loss` where it has one (a Hugging Face model given `labels=` among the example's keyword arguments), else
+the mean square of its first output tensor (every output element gets a gradient). The loss is traced with the
+model, its inputs passed again as the pipeline's target ([Note: the loss is traced] in fxpar/trace.py).
+
+How it runs. Each rank is a process of its own over gloo, started here (no torchrun, no port: a FileStore in a
+temporary folder), because a pipeline's stages talk point to point, which torch's threaded process group lacks.
+Every rank builds the model from the factory after the same torch.manual_seed, so each holds the same weights and
+the same reference. Each step's global batch is dp*m copies of the example, each with its values in a random order
+(a tensor's own values, so token ids and -100 labels stay valid; tensors that were the same tensor stay the same
+tensor). fxpar trains on it with pm.step; the reference runs the unmodified model on the same dp*m microbatches and
+averages their losses, as the pipeline does, then steps the same optimizer.
+
+[Tolerance] fp32: 1e-5 relative (to max(1, |value|)) on the loss and on every parameter after every step: what
+summation order alone can change. One thing amplifies it: AdamW's step is lr * g / (|g| + eps) at first, whose
+slope at g = 0 is lr / eps (1e5 at lr 1e-3), so a weight whose gradient is near zero turns the rounding of that
+gradient (1e-10 absolute) into 1e-5 of its value, on any two summation orders. A fp32 gap above the bound is
+therefore arbitrated in float64 (the model and its floating inputs cast to it), where rounding is 2^29 times
+smaller: the same run must agree to 1e-7 there (measured: 6e-8 on a LayerNorm weight of the example GPT at
+p=2 x t=2 after AdamW's first step, 4e-15 at t=2), which a wrong rewrite, off by a real amount, never does.
+Not yet: bf16. Its rounding (2^-9 per op) flips the sign of AdamW's first step on every weight whose gradient is
+near zero, a gap of 2 lr that no bound on the parameters can tell from a wrong rewrite; tests/test_mixed_precision.py
+checks the bf16 recipe against its own one-process reference instead.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pickle
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+TOLERANCE = {"fp32": 1e-5, "fp64": 1e-7}
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    target: str  # path/file.py:factory or module:factory
+    tp: int = 2
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    microbatches: int | None = None  # m; default: 1, or 2*pp with a pipeline
+    schedule: str | None = None  # default: the cost model's for (p, v)
+    zero: int = 0
+    precision: str = "fp32"
+    steps: int = 3
+    lr: float = 1e-3
+    seed: int = 0
+    timeout_s: float = 120.0  # of every collective
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "vpp", "steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"fxpar check: --{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.precision not in TOLERANCE:
+            raise ValueError(f"fxpar check: --precision must be fp32 (bf16 is not checked yet), got "
+                             f"{self.precision!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def m(self) -> int:
+        return self.microbatches or (2 * self.pp * self.vpp if self.pp > 1 else 1)
+
+
+@dataclass
+class Step:
+    loss: float  # fxpar's
+    reference: float  # the unmodified model's
+    gap: float  # the largest relative parameter difference after the step
+    worst: str  # the parameter where it is
+
+
+@dataclass
+class CheckResult:
+    status: str  # exact | mismatch | refused | failed
+    spec: CheckSpec
+    steps: list[Step] = field(default_factory=list)
+    message: str = ""  # the refusal, the mismatch or the failure, in words
+    plan: str = ""  # str(pm.plan)
+    ledger: list = field(default_factory=list)  # pm.plan.comm (passes/comm_audit.py LayerComm)
+    bytes_per_element: int = 4
+    tolerance: float = 1e-5
+    arbiter: str = ""  # a fp32 gap the float64 run showed to be rounding ([Tolerance])
+
+
+def unpack(out, spec: str):
+    """(model, args, kwargs, loss) from a factory's (model, args[, kwargs[, loss]])."""
+    from fxpar.target import unpack_target
+
+    if isinstance(out, tuple) and len(out) == 4:
+        *out, loss = out
+        if loss is not None and not callable(loss):
+            raise ValueError(f"target {spec!r}: the 4th item the factory returns is loss(output, *args, **kwargs) -> "
+                             "scalar, got "
+                             f"{type(loss).__name__}")
+        return (*unpack_target(tuple(out), spec), loss)
+    return (*unpack_target(out, spec), None)
+
+
+def default_loss(out, *args, **kwargs) -> torch.Tensor:
+    """The model's own loss (`output.loss`, a Hugging Face model given labels=), else the mean square of its first
+    floating output."""
+    own = getattr(out, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own
+    first = next((x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+    if first is None:
+        raise ValueError("fxpar check: the model returns no floating-point tensor to take a loss of; return "
+                         "(model, args, kwargs, loss) from the factory, with loss(output, *args, **kwargs) -> scalar")
+    return first.float().square().mean()
+
+
+def batch(args: tuple, kwargs: dict, pieces: int, step: int, seed: int) -> tuple[tuple, dict]:
+    """A global batch of `pieces` copies of the example along dim 0, each tensor's values in a random order (see
+    the module docstring); tensors that were the same tensor stay the same tensor."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    made: dict[int, torch.Tensor] = {}
+
+    def shuffled(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if id(x) not in made:
+            flat = x.detach().reshape(-1)
+            made[id(x)] = torch.cat([flat[torch.randperm(flat.numel(), generator=g)].view_as(x)
+                                     for _ in range(pieces)]).requires_grad_(x.requires_grad)
+        return made[id(x)]
+
+    return pytree.tree_map(shuffled, (tuple(args), dict(kwargs)))
+
+
+def _rows(tree, i: int, n: int):
+    return pytree.tree_map(lambda x: x.chunk(n)[i] if isinstance(x, torch.Tensor) and x.dim() else x, tree)
+
+
+class Reference:
+    """The unmodified model trained on one process, on the pipeline's microbatches."""
+
+    def __init__(self, model, loss, spec: CheckSpec):
+        self.model, self.loss, self.spec = model, loss, spec
+        self.opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+
+    def step(self, args, kwargs) -> float:
+        n, total = self.spec.dp * self.spec.m, 0.0
+        self.opt.zero_grad()
+        for i in range(n):  # the pipeline's microbatches: dp rank by dp rank, then m each, in the same order
+            a, k = _rows((args, kwargs), i, n)
+            loss = self.loss(self.model(*a, **k), *a, **k)
+            (loss / n).backward()
+            total += loss.item() / n
+        self.opt.step()
+        return total
+
+    def state(self) -> dict:
+        return self.model.state_dict()
+
+
+def _gap(full: dict, want: dict) -> tuple[float, str]:
+    worst = (0.0, "")
+    for key, w in want.items():
+        if not w.is_floating_point():
+            continue
+        gap = ((full[key].float() - w).abs().max() / max(1.0, w.abs().max().item())).item()
+        if gap > worst[0] or gap != gap:
+            worst = (gap, key)
+    return worst
+
+
+def _on_rank(spec: CheckSpec) -> CheckResult:
+    """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
+    import fxpar
+    from fxpar.target import load_factory
+
+    factory = load_factory(spec.target)
+    torch.manual_seed(spec.seed)
+    model, args, kwargs, loss = unpack(factory(), spec.target)
+    if spec.precision == "fp64":  # the arbiter ([Tolerance])
+        model.double()
+        args, kwargs = pytree.tree_map(lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                       else x, (args, kwargs))
+    loss = loss or default_loss
+    reference = Reference(copy.deepcopy(model), loss, spec)
+    config = fxpar.Config(microbatches=spec.m, virtual_stages=spec.vpp, zero=spec.zero, seed=spec.seed,
+                          **({"schedule": spec.schedule} if spec.schedule else {}))
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
+                           example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
+                           config=config)
+    opt = pm.optimizer(torch.optim.AdamW, lr=spec.lr)
+    tol = TOLERANCE[spec.precision]
+    result = CheckResult("exact", spec, bytes_per_element=8 if spec.precision == "fp64" else 4, tolerance=tol)
+    for step in range(spec.steps):
+        b_args, b_kwargs = batch(args, kwargs, spec.dp * spec.m, step, spec.seed)
+        opt.zero_grad()
+        got = pm.step(*b_args, target=(b_args, b_kwargs), **b_kwargs).item()
+        opt.step()
+        want = reference.step(b_args, b_kwargs)
+        gap, worst = _gap(pm.full_state_dict(), reference.state())
+        result.steps.append(Step(got, want, gap, worst))
+        loss_gap = abs(got - want) / max(1.0, abs(want))
+        if not (loss_gap <= tol and gap <= tol):
+            what = f"the loss differs by {loss_gap:.3g} (relative)" if not loss_gap <= tol else \
+                f"parameter {worst} differs by {gap:.3g} (relative)"
+            result.status, result.message = "mismatch", f"step {step}: {what}, above the {tol:g} bound"
+            break
+    result.plan, result.ledger = str(pm.plan), list(pm.plan.comm)
+    return result
+
+
+def _classify(e: Exception) -> tuple[str, str]:
+    """("refused", fxpar's message) for a clear refusal; ("failed", the traceback) for anything else."""
+    from fxpar.trace import TraceError
+
+    text = str(e)
+    if isinstance(e, TraceError) or isinstance(e, (ValueError, TypeError, IndexError)) and "fxpar" in text:
+        return "refused", text
+    return "failed", traceback.format_exc()
+
+
+def _worker(rank: int, spec: CheckSpec, folder: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(folder, "store"), spec.world)
+    dist.init_process_group("gloo", rank=rank, world_size=spec.world, store=store,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    try:
+        result = _on_rank(spec)
+    except Exception as e:
+        status, message = _classify(e)
+        result = CheckResult(status, spec, message=message)
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    dist.destroy_process_group()
+
+
+def check(spec: CheckSpec) -> CheckResult:
+    """Run the check on spec.world local processes: the worst rank's result. A fp32 mismatch is arbitrated in
+    float64 ([Tolerance]): exact there, the result is exact and says so in `arbiter`."""
+    result = _run(spec)
+    if result.status != "mismatch" or spec.precision == "fp64":
+        return result
+    wide = _run(dataclasses.replace(spec, precision="fp64"))
+    if wide.status == "exact":
+        result.status = "exact"
+        result.arbiter = (f"fp32 {result.message}; the same run in float64 agrees to "
+                          f"{max(s.gap for s in wide.steps):.2g} (bound {wide.tolerance:g}): rounding amplified by "
+                          "AdamW near a zero gradient, not the rewrite")
+        result.message = ""
+        result.steps = wide.steps
+    return result
+
+
+def _run(spec: CheckSpec) -> CheckResult:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="fxpar-check-") as folder:
+        try:
+            mp.start_processes(_worker, args=(spec, folder), nprocs=spec.world, start_method="spawn")
+        except mp.ProcessRaisedException as e:  # a rank died outside _on_rank
+            return CheckResult("failed", spec, message=str(e))
+        except mp.ProcessExitedException as e:
+            return CheckResult("failed", spec, message=f"a rank exited: {e}")
+        results = []
+        for rank in range(spec.world):
+            with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    order = ["refused", "failed", "mismatch", "exact"]  # a refusal on one rank leaves the others waiting
+    return min(results, key=lambda r: (order.index(r.status), results.index(r)))

@@ -1,0 +1,113 @@
+"""`fxpar check TARGET --tp T [--pp P --dp D ...]`: is the model, under this plan, exactly the model you wrote?
+
+Trains the parallel model for --steps optimizer steps (AdamW) beside the unmodified model on one process, on the
+same batches, on this machine's CPU (fxpar/check.py: the ranks are local processes over gloo, no torchrun). Prints
+each step's two losses and the largest parameter difference, then the communication ledger: every layer's
+collectives against Megatron's 2 all-reduces forward and 2 backward, with the plan's reason for any layer above.
+
+TARGET is path/file.py:factory or module:factory; factory() returns (model, example_args[, example_kwargs[,
+loss]]), loss(output, *args, **kwargs) -> the scalar loss of one microbatch, given its inputs too (default:
+output.loss where the model has one, as a Hugging Face model given labels=, else the mean square of the first
+output).
+
+Exit status: 0 exact (fp32: within 1e-5 relative, a larger gap arbitrated in float64), 1 a mismatch (the first step and parameter that
+differ), 2 refused by fxpar (its message), 3 fxpar failed (a bug: the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tabulate import tabulate
+
+EXIT = {"exact": 0, "mismatch": 1, "refused": 2, "failed": 3}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("check", help="prove the parallel model exact against the unmodified one, on CPU",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="path/file.py:factory or module:factory")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (default 2)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages p (default 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas d (default 1)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank v (default 1)")
+    p.add_argument("--microbatches", type=int, default=None, help="m per step (default 1; 2*p*v with a pipeline)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (default: the cost model's for p, v)")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: the distributed optimizer over dp")
+    p.add_argument("--precision", choices=("fp32",), default="fp32",
+                   help="fp32 (bf16 is not checked yet: fxpar/check.py [Tolerance])")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps K (default 3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory, and of the batches")
+    p.set_defaults(func=run)
+
+
+def ledger(result) -> str:
+    """Every layer's collectives per step, next to Megatron's count, with the plan's reason above it."""
+    from fxpar.passes.comm_audit import BOUND, OUTSIDE
+
+    per_step = result.spec.m * result.bytes_per_element
+
+    def size(cs) -> str:
+        total = sum(_numel(c.shape) for c in cs) * per_step
+        return f"{total / 2**10:.1f} KiB" if total else "-"
+
+    def kinds(cs) -> str:
+        counts: dict[str, int] = {}
+        for c in cs:
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+        return ", ".join(f"{n} {k}" for k, n in counts.items()) or "-"
+
+    rows = []
+    for c in result.ledger:
+        megatron = "-" if c.layer == OUTSIDE else f"{BOUND} + {BOUND}"
+        mark = "ABOVE: " + c.note if c.above_bound else ""
+        rows.append([c.layer, kinds(c.forward), size(c.forward), kinds(c.backward), size(c.backward),
+                     kinds(c.small), size(c.small), megatron, mark])
+    head = ["layer", "forward", "bytes/step", "backward", "bytes/step", "small", "bytes/step", "Megatron", ""]
+    return tabulate(rows, head) if rows else "(no collectives: t=1)"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def report(result) -> str:
+    s = result.spec
+    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={s.vpp} m={s.m} {s.precision}, {s.steps} AdamW "
+             f"steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
+    if result.status in ("refused", "failed"):
+        what = "refused by fxpar" if result.status == "refused" else "fxpar failed (a bug; please report it)"
+        return "\n".join(lines + [f"{what}:", result.message])
+    rows = [[i, f"{st.loss:.7f}", f"{st.reference:.7f}", f"{st.gap:.2e}", st.worst] for i, st in
+            enumerate(result.steps)]
+    lines.append(tabulate(rows, ["step", "loss (fxpar)", "loss (model)", "largest parameter difference", "where"]))
+    worst = max((st.gap for st in result.steps), default=0.0)
+    if result.status == "exact" and result.arbiter:
+        lines.append(f"exact, by the float64 arbiter: {result.arbiter} (the steps above are the float64 run's)")
+    elif result.status == "exact":
+        lines.append(f"exact: {len(result.steps)} steps within {result.tolerance:g} (relative, {s.precision}); "
+                     f"largest parameter difference {worst:.2e}")
+    else:
+        lines.append(f"MISMATCH: {result.message}")
+    lines += ["", "communication per layer, per step (bytes: this rank's values reduced or gathered, m microbatches)",
+              ledger(result)]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from fxpar.check import CheckSpec, check
+
+    try:
+        spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
+                         microbatches=args.microbatches, schedule=args.schedule, zero=args.zero,
+                         precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    result = check(spec)
+    print(report(result), flush=True)
+    return EXIT[result.status]

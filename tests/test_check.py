@@ -1,0 +1,59 @@
+"""`fxpar check` (fxpar/check.py, fxpar/cli_check.py): exact models pass, a refused one exits 2 with fxpar's message,
+and a deliberately broken executable exits 1 naming the step and the parameter: a check that cannot fail checks
+nothing. Each run starts its ranks as gloo processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gloo
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(target: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fxpar.cli", "check", target, *flags], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_example_gpt_is_exact_at_t2():
+    out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exact: 2 steps within 1e-05" in out.stdout, out.stdout
+    ledger = out.stdout.split("communication per layer")[1]
+    assert ledger.count("2 g") == 4 and ledger.count("2 f") == 4 and "ABOVE" not in ledger, ledger
+
+
+@pytest.mark.slow
+def test_the_example_gpt_is_exact_at_p2_t2():
+    out = _check("examples/gpt.py:lm", "--tp", "2", "--pp", "2", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "t=2 p=2 d=1 v=1 m=4" in out.stdout and "exact" in out.stdout, out.stdout
+
+
+def test_a_hugging_face_llama_with_labels_is_exact():
+    out = _check("tests/check_targets.py:llama_labels", "--tp", "2", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exact" in out.stdout and "model.layers.1" in out.stdout, out.stdout
+
+
+def test_a_model_fxpar_refuses_exits_2_with_its_message():
+    out = _check("tests/check_targets.py:refused", "--tp", "2")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "refused by fxpar" in out.stdout and "custom autograd.Function _Reverse" in out.stdout, out.stdout
+    assert "check_targets.py" in out.stdout, out.stdout  # the user's line
+
+
+def test_a_broken_executable_exits_1_naming_the_step_and_parameter():
+    out = _check("tests/check_targets.py:broken", "--tp", "2", "--steps", "2")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "MISMATCH: step 0:" in out.stdout, out.stdout
+
+
+def test_bad_flags_are_refused():
+    out = _check("examples/gpt.py:lm", "--tp", "0")
+    assert out.returncode == 2 and "--tp must be a positive integer, got 0" in out.stderr, out.stderr
