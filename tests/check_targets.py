@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from tests import models
 
@@ -13,28 +12,11 @@ def llama_labels():
     return model, (ids,), {**kwargs, "labels": ids}
 
 
-class _Reverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return -grad
-
-
-class _Reversed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x):
-        return self.down(_Reverse.apply(torch.relu(self.up(x))))
-
-
 def refused():
     """A custom autograd.Function, whose backward a trace would drop: fxpar refuses it."""
-    return _Reversed(), (torch.randn(2, 8, 16),)
+    from tests.test_soundness import Reversed
+
+    return Reversed(), (torch.randn(2, 16),)
 
 
 def broken():
