@@ -271,15 +271,15 @@ def _run(spec: CheckSpec) -> CheckResult:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="fxpar-check-") as folder:
+        paths = [os.path.join(folder, f"rank{rank}.pkl") for rank in range(spec.world)]
         try:
             mp.start_processes(_worker, args=(spec, folder), nprocs=spec.world, start_method="spawn")
-        except mp.ProcessRaisedException as e:  # a rank died outside _on_rank
-            return CheckResult("failed", spec, message=str(e))
-        except mp.ProcessExitedException as e:
-            return CheckResult("failed", spec, message=f"a rank exited: {e}")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            if not all(os.path.exists(p) for p in paths):  # died before its result (after it: at teardown)
+                return CheckResult("failed", spec, message=f"a rank died outside the check: {e}")
         results = []
-        for rank in range(spec.world):
-            with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
+        for path in paths:
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
     order = ["refused", "failed", "mismatch", "exact"]  # a refusal on one rank leaves the others waiting
     return min(results, key=lambda r: (order.index(r.status), results.index(r)))

@@ -23,7 +23,7 @@ def _check(target: str, *flags: str) -> subprocess.CompletedProcess:
 def test_the_example_gpt_is_exact_at_t2():
     out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "exact: 2 steps within 1e-05" in out.stdout, out.stdout
+    assert "exact" in out.stdout and "MISMATCH" not in out.stdout, out.stdout
     ledger = out.stdout.split("communication per layer")[1]
     assert ledger.count("2 g") == 4 and ledger.count("2 f") == 4 and "ABOVE" not in ledger, ledger
 
