@@ -95,7 +95,6 @@ class CheckResult:
     spec: CheckSpec
     steps: list[Step] = field(default_factory=list)
     message: str = ""  # the refusal, the mismatch or the failure, in words
-    plan: str = ""  # str(pm.plan)
     ledger: list = field(default_factory=list)  # pm.plan.comm (passes/comm_audit.py LayerComm)
     bytes_per_element: int = 4
     tolerance: float = 1e-5
@@ -220,7 +219,7 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
                 f"parameter {worst} differs by {gap:.3g} (relative)"
             result.status, result.message = "mismatch", f"step {step}: {what}, above the {tol:g} bound"
             break
-    result.plan, result.ledger = str(pm.plan), list(pm.plan.comm)
+    result.ledger = list(pm.plan.comm)
     return result
 
 

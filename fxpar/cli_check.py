@@ -10,13 +10,15 @@ loss]]), loss(output, *args, **kwargs) -> the scalar loss of one microbatch, giv
 output.loss where the model has one, as a Hugging Face model given labels=, else the mean square of the first
 output).
 
-Exit status: 0 exact (fp32: within 1e-5 relative, a larger gap arbitrated in float64), 1 a mismatch (the first step and parameter that
-differ), 2 refused by fxpar (its message), 3 fxpar failed (a bug: the traceback).
+Exit status: 0 exact (fp32: within 1e-5 relative, a larger gap arbitrated in float64), 1 a mismatch (the first step
+and parameter that differ), 2 refused by fxpar (its message), 3 fxpar failed (a bug: the traceback).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections import Counter
 
 from tabulate import tabulate
 
@@ -49,14 +51,11 @@ def ledger(result) -> str:
     per_step = result.spec.m * result.bytes_per_element
 
     def size(cs) -> str:
-        total = sum(_numel(c.shape) for c in cs) * per_step
+        total = sum(math.prod(c.shape) for c in cs) * per_step
         return f"{total / 2**10:.1f} KiB" if total else "-"
 
     def kinds(cs) -> str:
-        counts: dict[str, int] = {}
-        for c in cs:
-            counts[c.kind] = counts.get(c.kind, 0) + 1
-        return ", ".join(f"{n} {k}" for k, n in counts.items()) or "-"
+        return ", ".join(f"{n} {k}" for k, n in Counter(c.kind for c in cs).items()) or "-"
 
     rows = []
     for c in result.ledger:
@@ -66,13 +65,6 @@ def ledger(result) -> str:
                      kinds(c.small), size(c.small), megatron, mark])
     head = ["layer", "forward", "bytes/step", "backward", "bytes/step", "small", "bytes/step", "Megatron", ""]
     return tabulate(rows, head) if rows else "(no collectives: t=1)"
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def report(result) -> str:

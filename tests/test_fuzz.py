@@ -36,7 +36,7 @@ def test_the_generator_is_deterministic_and_varied():
     assert generate(7) == generate(7)
     sources = {generate(s) for s in range(20)}
     assert len(sources) == 20
-    features = ["einsum", "addmm", "beta=", "transpose(-2, -1)).transpose", "def call", "repeat_interleave", "scaled_dot_product_attention", "masked_fill", "self.head",
+    features = ["einsum", "addmm", "alpha=", "transpose(-2, -1)).transpose", "def call", "repeat_interleave", "scaled_dot_product_attention", "masked_fill", "self.head",
                 "nn.Embedding", "F.dropout", "self.training", "unbind", "rsqrt", ".var("]
     missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
     assert not missing, missing
