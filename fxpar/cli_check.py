@@ -10,8 +10,9 @@ loss]]), loss(output, *args, **kwargs) -> the scalar loss of one microbatch, giv
 output.loss where the model has one, as a Hugging Face model given labels=, else the mean square of the first
 output).
 
-Exit status: 0 exact (fp32: within 1e-5 relative, a larger gap arbitrated in float64), 1 a mismatch (the first step
-and parameter that differ), 2 refused by fxpar (its message), 3 fxpar failed (a bug: the traceback).
+Exit status: 0 exact (fp32: within 1e-5 relative, a larger gap arbitrated in float64; bf16: losses within 2e-3 of the
+one-process bf16 recipe, and the plan exact in fp32), 1 a mismatch (the first step and parameter that differ), 2
+refused by fxpar (its message), 3 fxpar failed (a bug: the traceback).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="m per step (default 1; 2*p*v with a pipeline)")
     p.add_argument("--schedule", default=None, help="pipeline schedule (default: the cost model's for p, v)")
     p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: the distributed optimizer over dp")
-    p.add_argument("--precision", choices=("fp32",), default="fp32",
-                   help="fp32 (bf16 is not checked yet: fxpar/check.py [Tolerance])")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (default), or bf16: its losses against the one-process bf16 recipe, then the same "
+                        "plan in fp32 (fxpar/check.py [Tolerance])")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps K (default 3)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory, and of the batches")
@@ -68,12 +70,20 @@ def ledger(result) -> str:
 
 
 def report(result) -> str:
+    from fxpar.check import relative
+
     s = result.spec
     lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={s.vpp} m={s.m} {s.precision}, {s.steps} AdamW "
              f"steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
     if result.status in ("refused", "failed"):
         what = "refused by fxpar" if result.status == "refused" else "fxpar failed (a bug; please report it)"
         return "\n".join(lines + [f"{what}:", result.message])
+    if result.low_steps:
+        rows = [[i, f"{st.loss:.5f}", f"{st.reference:.5f}", f"{relative(st.loss, st.reference):.1e}"]
+                for i, st in enumerate(result.low_steps)]
+        lines += ["bf16 against the same recipe on one process (losses within 2e-3; parameters: the fp32 run below)",
+                  tabulate(rows, ["step", "loss (fxpar)", "loss (model)", "relative gap"]), "",
+                  "the same plan in fp32 (losses and every parameter within 1e-5)"]
     rows = [[i, f"{st.loss:.7f}", f"{st.reference:.7f}", f"{st.gap:.2e}", st.worst] for i, st in
             enumerate(result.steps)]
     lines.append(tabulate(rows, ["step", "loss (fxpar)", "loss (model)", "largest parameter difference", "where"]))
@@ -81,7 +91,7 @@ def report(result) -> str:
     if result.status == "exact" and result.arbiter:
         lines.append(f"exact, by the float64 arbiter: {result.arbiter} (the steps above are the float64 run's)")
     elif result.status == "exact":
-        lines.append(f"exact: {len(result.steps)} steps within {result.tolerance:g} (relative, {s.precision}); "
+        lines.append(f"exact: {len(result.steps)} steps within {result.tolerance:g} (relative, fp32); "
                      f"largest parameter difference {worst:.2e}")
     else:
         lines.append(f"MISMATCH: {result.message}")

@@ -54,6 +54,15 @@ def test_a_broken_executable_exits_1_naming_the_step_and_parameter():
     assert "MISMATCH: step 0:" in out.stdout, out.stdout
 
 
+def test_bf16_judges_its_losses_and_the_plan_in_fp32():
+    out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--precision", "bf16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bf16 against the same recipe on one process" in out.stdout and "exact" in out.stdout, out.stdout
+    broken = _check("tests/check_targets.py:broken", "--tp", "2", "--steps", "2", "--precision", "bf16")
+    # its bf16 losses drift apart within two steps (5.6e-4, then 4.7e-3 here); the fp32 run would catch it at step 0
+    assert broken.returncode == 1 and "MISMATCH: step" in broken.stdout, broken.stdout
+
+
 def test_bad_flags_are_refused():
     out = _check("examples/gpt.py:lm", "--tp", "0")
     assert out.returncode == 2 and "--tp must be a positive integer, got 0" in out.stderr, out.stderr
