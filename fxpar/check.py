@@ -26,7 +26,9 @@ gradient (1e-10 absolute) into 1e-5 of its value, on any two summation orders. A
 therefore arbitrated in float64 (the model and its floating inputs cast to it), where rounding is 2^29 times
 smaller: the same run must agree to 1e-10 there (measured on the example GPT: 7e-14 at t=2, 2e-14 at p=2 x t=2),
 which a wrong rewrite, off by a real amount, never does. (The slope lr/eps times float64 rounding of 1e-18 stays
-near 1e-13.)
+near 1e-13.) In that run `Tensor.float()` keeps float64 tensors as they are: models upcast with it meaning "at
+least fp32" (Hugging Face's losses call `logits.float()`), and a float32 loss would bring fp32 rounding back (a
+Qwen3 with labels=: 1e-6 with it, 2e-16 without).
 bf16 (`--precision bf16`, Megatron's recipe: bf16 parameters and GEMMs, fp32 main gradients and parameters): two
 runs. (1) bf16 against the same recipe on one process (the model cast to bf16, its floating inputs too, the loss on
 outputs cast to fp32, each microbatch's bf16 gradients added into fp32 main gradients, AdamW on fp32 main
@@ -226,6 +228,7 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
     torch.manual_seed(spec.seed)
     model, args, kwargs, loss = unpack(factory(), spec.target)
     if spec.precision == "fp64":  # the arbiter ([Tolerance])
+        _keep_float64()
         model.double()
         args, kwargs = pytree.tree_map(lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
                                        else x, (args, kwargs))
@@ -257,6 +260,16 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
             break
     result.ledger = list(pm.plan.comm)
     return result
+
+
+def _keep_float64() -> None:
+    """In this rank's process (the float64 arbiter's): `Tensor.float()` of a float64 tensor returns it unchanged."""
+    upcast = torch.Tensor.float
+
+    def at_least_fp32(self, memory_format=torch.preserve_format):
+        return self if self.dtype == torch.float64 else upcast(self, memory_format=memory_format)
+
+    torch.Tensor.float = at_least_fp32
 
 
 def _classify(e: Exception) -> tuple[str, str]:

@@ -66,3 +66,12 @@ def test_bf16_judges_its_losses_and_the_plan_in_fp32():
 def test_bad_flags_are_refused():
     out = _check("examples/gpt.py:lm", "--tp", "0")
     assert out.returncode == 2 and "--tp must be a positive integer, got 0" in out.stderr, out.stderr
+
+
+def test_the_float64_arbiter_runs_a_hugging_face_loss_in_float64():
+    """Hugging Face's loss upcasts with logits.float(); in the arbiter's run that keeps float64, so the run agrees to
+    float64 rounding (a float32 loss would leave 1e-6 there, and the arbiter could clear nothing)."""
+    from fxpar.check import CheckSpec, _run
+
+    result = _run(CheckSpec("tests/check_targets.py:llama_labels", tp=2, precision="fp64", steps=2))
+    assert result.status == "exact" and max(s.gap for s in result.steps) < 1e-12, result
