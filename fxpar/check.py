@@ -65,7 +65,7 @@ class CheckSpec:
     dp: int = 1
     vpp: int = 1
     microbatches: int | None = None  # m; default: 1, or 2*pp with a pipeline
-    schedule: str | None = None  # default: the cost model's for (p, v)
+    schedule: str | None = None  # default: 1f1b, interleaved-1f1b for v > 1 (cost.pipeline.default_schedule)
     zero: int = 0
     precision: str = "fp32"
     steps: int = 3
@@ -222,6 +222,7 @@ def _gap(full: dict, want: dict) -> tuple[float, str]:
 def _on_rank(spec: CheckSpec) -> CheckResult:
     """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
     import fxpar
+    from fxpar.cost.pipeline import default_schedule
     from fxpar.target import load_factory
 
     factory = load_factory(spec.target)
@@ -235,8 +236,11 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
     loss = loss or default_loss
     reference = Reference(copy.deepcopy(model), loss, spec)
     low = fxpar.MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
-    config = fxpar.Config(microbatches=spec.m, virtual_stages=spec.vpp, zero=spec.zero, seed=spec.seed,
-                          mixed_precision=low, **({"schedule": spec.schedule} if spec.schedule else {}))
+    try:
+        config = fxpar.Config(microbatches=spec.m, virtual_stages=spec.vpp, zero=spec.zero, seed=spec.seed,
+                              mixed_precision=low, schedule=spec.schedule or default_schedule(spec.vpp))
+    except ValueError as e:
+        raise ValueError(f"fxpar check: {e}") from None
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
                            example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
                            config=config)

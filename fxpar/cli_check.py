@@ -71,10 +71,12 @@ def ledger(result) -> str:
 
 def report(result) -> str:
     from fxpar.check import relative
+    from fxpar.cost.pipeline import default_schedule
 
     s = result.spec
-    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={s.vpp} m={s.m} {s.precision}, {s.steps} AdamW "
-             f"steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
+    schedule = f" {s.schedule or default_schedule(s.vpp)}" if s.pp > 1 else ""
+    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={s.vpp} m={s.m}{schedule} {s.precision}, {s.steps} "
+             f"AdamW steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
     if result.status in ("refused", "failed"):
         what = "refused by fxpar" if result.status == "refused" else "fxpar failed (a bug; please report it)"
         return "\n".join(lines + [f"{what}:", result.message])

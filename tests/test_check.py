@@ -32,7 +32,7 @@ def test_the_example_gpt_is_exact_at_t2():
 def test_the_example_gpt_is_exact_at_p2_t2():
     out = _check("examples/gpt.py:lm", "--tp", "2", "--pp", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "t=2 p=2 d=1 v=1 m=4" in out.stdout and "exact" in out.stdout, out.stdout
+    assert "t=2 p=2 d=1 v=1 m=4 1f1b" in out.stdout and "exact" in out.stdout, out.stdout
 
 
 def test_a_hugging_face_llama_with_labels_is_exact():
@@ -66,6 +66,8 @@ def test_bf16_judges_its_losses_and_the_plan_in_fp32():
 def test_bad_flags_are_refused():
     out = _check("examples/gpt.py:lm", "--tp", "0")
     assert out.returncode == 2 and "--tp must be a positive integer, got 0" in out.stderr, out.stderr
+    out = _check("examples/gpt.py:lm", "--tp", "1", "--pp", "2", "--vpp", "2", "--schedule", "1f1b")
+    assert out.returncode == 2 and "use schedule 'interleaved-1f1b' for v > 1" in out.stdout, out.stdout
 
 
 def test_the_float64_arbiter_runs_a_hugging_face_loss_in_float64():
