@@ -165,18 +165,28 @@ def distinct_inputs(tree, model: torch.nn.Module | None = None):
     buffer of `model`, replaced by a copy of the same shape, strides and value ([Note: inputs are traced
     distinct])."""
     state = () if model is None else (*model.parameters(), *model.buffers())
-    seen = {t.untyped_storage()._cdata for t in state}
+    seen = {_storage(t) for t in state} - {None}
 
     def distinct(x):
-        if not isinstance(x, torch.Tensor):
+        storage = _storage(x)
+        if storage is None:
             return x
-        storage = x.untyped_storage()._cdata
         if storage not in seen:
             seen.add(storage)
             return x
         return _copy(x)
 
     return pytree.tree_map(distinct, tree)
+
+
+def _storage(x):
+    """The identity of x's storage; None for a non-tensor or a tensor without one (sparse)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        return x.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:

@@ -185,3 +185,11 @@ def test_distinct_inputs_keeps_shape_strides_and_value():
     lin = nn.Linear(3, 4)
     _, kw = distinct_inputs(((), {"w": lin.weight.detach()}), lin)
     assert kw["w"].untyped_storage()._cdata != lin.weight.untyped_storage()._cdata  # aliases a parameter
+
+
+def test_a_tensor_without_storage_is_left_as_it_is():
+    from fxpar.trace import distinct_inputs
+
+    sparse = torch.eye(3).to_sparse()
+    args, _ = distinct_inputs(((sparse, sparse, 1.5), {}))
+    assert args[0] is sparse and args[1] is sparse and args[2] == 1.5
