@@ -24,7 +24,7 @@ from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.pipeline import default_schedule
 from fxpar.passes.meta import module_path
 from fxpar.passes.ops import TPComm
-from fxpar.passes.meta import COMM_KINDS, FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind
+from fxpar.passes.meta import FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind
 from fxpar.passes.placements import Partial, Shard
 from fxpar.passes.proofs import format_program
 from fxpar.target import load_target
@@ -71,7 +71,7 @@ def _shape(n) -> str:
 def _note(n) -> str:
     """What a node is beyond its op: a collective, a fused op, or part of a recomputed region."""
     if comm_kind(n) is not None:
-        return COMM_KINDS[comm_kind(n)]
+        return comm_kind(n).info.text
     if FXPAR_RECOMPUTE in n.meta:
         return f"recomputed region {n.meta[FXPAR_RECOMPUTE]}"
     if FXPAR_FUSED in n.meta:

@@ -10,9 +10,9 @@ fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing he
     canonicalize.py, gemm_forms.py, grouped_gemm.py
                        before the analysis: one placeholder per tensor, every weight contraction as linear / mm /
                        addmm, mixture-of-experts GEMMs as fxpar's grouped ops
-    rules.py, rules_loss.py, reshape.py, fused.py
-                       one sharding rule per ATen op family; the losses over a vocabulary-sharded dim; views; fused
-                       projections (Q|K|V, gate|up)
+    rules.py, rules_loss.py, rule_table.py, reshape.py, fused.py
+                       one sharding rule per ATen op family; the losses over a vocabulary-sharded dim; the table of
+                       rules by op (rule_for); views; fused projections (Q|K|V, gate|up)
     analysis.py, vocab.py, plan.py, comm_audit.py
                        regions of column- then row-parallel GEMMs, the vocab-parallel embedding and head; the plan,
                        with each layer's collectives against Megatron's 2 + 2

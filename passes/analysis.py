@@ -62,8 +62,9 @@ from torch.fx import GraphModule, Node
 from .fused import fused_parts
 from .meta import USER, input_of, module_path
 from .placements import Placement, Replicate, Shard, plain_shard
+from .rule_table import rule_for
 from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, elementwise,
-                    other_use, rule_for)
+                    other_use)
 
 aten = torch.ops.aten
 

@@ -23,18 +23,18 @@ from torch.fx import GraphModule, Node
 
 from .analysis import activations_of, upstream
 from .layers import find_layers
-from .meta import FXPAR_SCALE, comm_kind, module_path
+from .meta import FXPAR_SCALE, Comm, comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
 OUTSIDE = "outside the layers"
-_FORWARD = {"g", "gather"}
-_BACKWARD = {"f", "scatter"}
-_SMALL_F = {"f weight", "f stat", "f scale"}
+_FORWARD = frozenset(c for c in Comm if c.info.moves == "forward")  # g, all-gather
+_BACKWARD = frozenset(c for c in Comm if c.info.moves == "backward")  # f, scatter
+_SMALL_F = {"f weight", "f stat", "f scale"}  # an f that kind_of finds moves a weight's or a statistic's gradient
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # a COMM_KINDS key, or "f weight" / "f stat" / "f scale" for the small f's
+    kind: str  # a Comm, or "f weight" / "f stat" / "f scale" / "scatter state" for the small ones (kind_of)
     node: str  # the collective's node
     module: str  # the module path of the value it moves
     shape: tuple[int, ...]  # the value's shape on this rank

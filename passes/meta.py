@@ -9,7 +9,7 @@ submodule name. Glossary of the keys:
                      (reference) program whose value this node computes. Inserted nodes have none.
     FXPAR_PLACEMENT  after the tensor-parallel pass, on every node: its Placement on this rank's tp group
                      (Replicate, Partial, Shard, or a tuple of them for multi-output nodes).
-    FXPAR_COMM       on the nodes that call a collective module: its kind, one of COMM_KINDS.
+    FXPAR_COMM       on the nodes that call a collective module: its kind, a Comm.
     FXPAR_FUSED      on the nodes a fusion made: the fusion's name ("sdpa", "bias_gelu_linear", ...).
     FXPAR_RECOMPUTE  on the call of a checkpointed region: "full:<layer>" or "selective:<layer>".
     FXPAR_RANDOM     on a random op's call: the stream it draws from ("replicated" or "sharded", passes/rng.py).
@@ -25,6 +25,7 @@ through it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Mapping, Sequence
 
 from torch.fx import GraphModule, Node
@@ -39,19 +40,51 @@ FXPAR_RANDOM = "fxpar_random"
 FXPAR_ASSUMES = "fxpar_assumes"
 FXPAR_SCALE = "fxpar_scale"
 
-# the collectives the tensor-parallel pass inserts (passes/ops.py): kind -> what it does, as `fxpar show` says it
-COMM_KINDS = {
-    "f": "f: all-reduce in backward",
-    "g": "g: all-reduce",
-    "stat": "all-reduce of a partial statistic (identity in backward)",
-    "gather": "all-gather",
-    "scatter": "scatter (all-gather in backward)",
-    "vocab_embedding": "vocab lookup + all-reduce",
-    "vocab_cross_entropy": "vocab-parallel cross-entropy (max + sum all-reduces per token)",
-    "vocab_logsumexp": "vocab-parallel logsumexp (max + sum all-reduces per token)",
-    "vocab_gather": "vocab-parallel gather (sum all-reduce per token)",
+class Comm(str, Enum):
+    """The collectives the tensor-parallel pass inserts (their modules: passes/tp.py COMM_MODULES), one per
+    call_module node, whose meta[FXPAR_COMM] holds it. A str: a kind equals its name ("f" == Comm.F). What each
+    does, and what it moves, is COMM_TABLE's: the rewrite, the audit, recomputation and `fxpar show` all read it."""
+
+    F = "f"
+    G = "g"
+    STAT = "stat"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    VOCAB_EMBEDDING = "vocab_embedding"
+    VOCAB_CROSS_ENTROPY = "vocab_cross_entropy"
+    VOCAB_LOGSUMEXP = "vocab_logsumexp"
+    VOCAB_GATHER = "vocab_gather"
+
+    __str__ = str.__str__  # prints as its name, in f-strings too
+    __format__ = str.__format__
+
+    @property
+    def info(self) -> CommInfo:
+        return COMM_TABLE[self]
+
+
+@dataclass(frozen=True)
+class CommInfo:
+    text: str  # what it does, forward and backward, as `fxpar show` says it
+    moves: str  # "forward": an activation in forward (g, all-gather); "backward": an activation gradient in
+    # backward (f, a scatter's all-gather); "small": a few values per token (statistics, the vocabulary's)
+    forward_identity: bool = False  # its forward moves no data (allowed inside a recomputed region)
+    vocab: bool = False  # a vocab-parallel op that replaces the op of the same role (passes/vocab_ops.py)
+
+
+COMM_TABLE = {
+    Comm.F: CommInfo("f: all-reduce in backward", "backward", forward_identity=True),
+    Comm.G: CommInfo("g: all-reduce", "forward"),
+    Comm.STAT: CommInfo("all-reduce of a partial statistic (identity in backward)", "small"),
+    Comm.GATHER: CommInfo("all-gather", "forward"),
+    Comm.SCATTER: CommInfo("scatter (all-gather in backward)", "backward"),
+    Comm.VOCAB_EMBEDDING: CommInfo("vocab lookup + all-reduce", "small", vocab=True),
+    Comm.VOCAB_CROSS_ENTROPY: CommInfo("vocab-parallel cross-entropy (max + sum all-reduces per token)", "small",
+                                       vocab=True),
+    Comm.VOCAB_LOGSUMEXP: CommInfo("vocab-parallel logsumexp (max + sum all-reduces per token)", "small",
+                                   vocab=True),
+    Comm.VOCAB_GATHER: CommInfo("vocab-parallel gather (sum all-reduce per token)", "small", vocab=True),
 }
-FORWARD_IDENTITY = frozenset({"f"})  # collectives whose forward moves no data (allowed inside recomputed regions)
 
 PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY = "parameter", "buffer", "constant", "user", "boundary"
 INPUT_KINDS = (PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY)
@@ -134,8 +167,8 @@ def module_path(node: Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def comm_kind(node: Node) -> str | None:
-    """The collective a node calls (a COMM_KINDS key), or None."""
+def comm_kind(node: Node) -> Comm | None:
+    """The collective a node calls, or None."""
     return node.meta.get(FXPAR_COMM)
 
 

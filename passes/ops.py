@@ -166,14 +166,3 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:
     elif bad.any():
         raise IndexError(f"fxpar: {what} {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
                          "(index out of range, as the unparallelized op would say)")
-
-
-COMM_MODULES = {  # kind (passes/meta.py COMM_KINDS) -> module
-    "f": CopyToTP, "g": ReduceFromTP, "stat": ReduceFromTP, "scatter": ScatterToTP, "gather": GatherFromTP,
-    "vocab_embedding": VocabParallelEmbedding,
-}
-
-from .vocab_ops import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp  # noqa: E402
-
-COMM_MODULES.update(vocab_cross_entropy=VocabParallelCrossEntropy, vocab_logsumexp=VocabParallelLogsumexp,
-                    vocab_gather=VocabParallelGather)

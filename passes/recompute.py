@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cost.flops import RECOMPUTE_MODES
 from . import fused_ops
 from .layers import Layers, find_layers
-from .meta import FORWARD_IDENTITY, FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
+from .meta import FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
 from .rng import streams_in
 
 aten = torch.ops.aten
@@ -81,7 +81,9 @@ class Checkpointed(nn.Module):
 def _is_cut(n: Node) -> bool:
     """A collective that moves data forward ([Note: collectives stay outside recomputed regions]), or any module
     call that is neither a collective nor a random op on its stream (it might be one, or a region already)."""
-    return n.op == "call_module" and comm_kind(n) not in FORWARD_IDENTITY and FXPAR_RANDOM not in n.meta
+    kind = comm_kind(n)
+    moves_data = kind is None or not kind.info.forward_identity
+    return n.op == "call_module" and moves_data and FXPAR_RANDOM not in n.meta
 
 
 def _layer_keys(gm: GraphModule, layers: Layers) -> dict[Node, str | None]:

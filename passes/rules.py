@@ -12,7 +12,6 @@ analysis then leaves that whole region replicated. Never guess.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -466,66 +465,3 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
         why = "is not a parameter" if w not in ctx.params else f"is also read by {other_use(w, node).name}"
         raise NoRule(f"{node.name}: contraction over a sharded dim with weight {getattr(w, 'name', w)}, which {why}")
     return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
-
-
-RULES: dict[Callable, Callable[[Node, Ctx], Decision]] = {}
-
-
-def _register(rule, *ops):
-    """Register `rule` for ops: an OpOverloadPacket means all its overloads, an OpOverload just that one."""
-    for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
-            for overload in op.overloads():
-                RULES[getattr(op, overload)] = rule
-        else:
-            RULES[op] = rule
-
-
-_register(
-    elementwise,
-    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.masked_fill, aten.clamp,
-    aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu, aten.erf, aten.rsqrt, aten.sqrt,
-    aten.sin, aten.cos, aten.abs, aten.square, aten.reciprocal, aten._to_copy, aten.contiguous,
-    aten.clone, aten.alias, aten.dropout, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
-    aten.logical_not, aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__,
-    aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
-    aten.maximum, aten.minimum, aten.rsub, aten.addcmul, aten.expm1, aten.log1p, aten.sign, aten.floor,
-    aten.ceil, aten.round, aten.trunc, aten.hardsigmoid, aten.hardswish, aten.logical_xor, aten.fmod, aten.remainder,
-)
-_register(elementwise, aten.min.other, aten.max.other,  # min(a, b) / max(a, b); not min.dim (indices)
-          aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
-          aten.to.dtype, aten.to.dtype_layout, aten.to.device)  # not where(cond) (indices), not to(other)
-_register(like_input, aten.type_as.default, aten.to.other)
-_register(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
-          aten.flatten.using_ints)  # not view(dtype): it reinterprets bits
-_register(expand, aten.expand)
-_register(complex_view, aten.view_as_complex, aten.view_as_real)
-_register(transpose, aten.transpose)
-_register(permute, aten.permute)
-_register(unsqueeze, aten.unsqueeze)
-_register(squeeze, aten.squeeze)
-_register(select, aten.select)
-_register(slice_, aten.slice)
-_register(split, aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)
-_register(getitem, operator.getitem)
-_register(cat, aten.cat)
-_register(stack, aten.stack)
-_register(softmax, aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
-_register(reduction, aten.mean, aten.sum, aten.amax, aten.amin, aten.var)
-_register(along_dim, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.topk.default,
-          aten.sort.default, aten.sort.stable, aten.cumsum.default)
-_register(reshape_as, aten.reshape_as.default)
-_register(norm, aten.layer_norm, aten.rms_norm)
-_register(sdpa, aten.scaled_dot_product_attention)
-_register(batched_matmul, aten.matmul, aten.bmm)
-for _op in GEMM_WEIGHT_ARG:
-    RULES[_op] = gemm
-
-from .rules_loss import LOSS_RULES  # noqa: E402 - the loss rules build on this module's helpers
-
-RULES.update(LOSS_RULES)
-
-
-def rule_for(node: Node):
-    """The rule of this node's op family, or None (the analysis then refuses the sharding)."""
-    return RULES.get(node.target) if node.op == "call_function" else None

@@ -30,22 +30,29 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .analysis import Analysis
-from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT
-from .ops import COMM_MODULES, TPComm
+from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
+from .ops import CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, TPComm, VocabParallelEmbedding
 from .placements import Partial, Replicate, Shard
 from .rules import arg
+from .vocab_ops import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp
 
 R = Replicate()
-VOCAB_OPS = ("vocab_embedding", "vocab_cross_entropy", "vocab_logsumexp", "vocab_gather")  # roles: a module call
+COMM_MODULES = {  # each collective's module (what it does: passes/meta.py COMM_TABLE)
+    Comm.F: CopyToTP, Comm.G: ReduceFromTP, Comm.STAT: ReduceFromTP, Comm.SCATTER: ScatterToTP,
+    Comm.GATHER: GatherFromTP, Comm.VOCAB_EMBEDDING: VocabParallelEmbedding,
+    Comm.VOCAB_CROSS_ENTROPY: VocabParallelCrossEntropy, Comm.VOCAB_LOGSUMEXP: VocabParallelLogsumexp,
+    Comm.VOCAB_GATHER: VocabParallelGather,
+}
+VOCAB_OPS = frozenset(c for c in Comm if c.info.vocab)  # decision roles that are a call of one of these modules
 
 aten = torch.ops.aten
 
 
-def call_comm(gm: GraphModule, kind: str, comm: TPComm, args: tuple, kwargs: dict | None = None,
+def call_comm(gm: GraphModule, kind: Comm | str, comm: TPComm, args: tuple, kwargs: dict | None = None,
               placement=R) -> Node:
     """A call_module node to a new comm module of `kind` (f, g, ...), one module `tp_<kind>_<i>` per call site,
     tagged with its kind and the placement of its output."""
-    i = 0
+    kind, i = Comm(kind), 0
     while hasattr(gm, f"tp_{kind}_{i}"):
         i += 1
     gm.add_submodule(f"tp_{kind}_{i}", COMM_MODULES[kind](comm))

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from fxpar.passes import rules
 from fxpar.passes.placements import Partial
-from fxpar.passes.rules import Decision, Indivisible, NoRule, rule_for
+from fxpar.passes.rule_table import rule_for
+from fxpar.passes.rules import Decision, Indivisible, NoRule
 from tests.rule_helpers import MAX, Graph, R, S, aten, ctx, export
 
 
