@@ -7,6 +7,7 @@ fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing he
     meta.py            typed node metadata: GraphInput records, placement / collective / fusion tags, one resolver
     placements.py      Replicate, Partial, Shard (with the head-interleaved layout)
     storage.py         which values may share storage and which ops write into it (from the ops' schemas)
+    op_families.py     the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...)
     canonicalize.py, gemm_forms.py, grouped_gemm.py
                        before the analysis: one placeholder per tensor, every weight contraction as linear / mm /
                        addmm, mixture-of-experts GEMMs as fxpar's grouped ops

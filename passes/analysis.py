@@ -61,6 +61,7 @@ from torch.fx import GraphModule, Node
 
 from .fused import fused_parts
 from .meta import USER, input_of, module_path
+from .op_families import LAYOUT, ROW_VIEWS
 from .placements import Placement, Replicate, Shard, plain_shard
 from .rule_table import rule_for
 from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, elementwise,
@@ -283,14 +284,10 @@ def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[No
     return groups, refused
 
 
-_FOLDS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.flatten.using_ints}
-
-
 def _activation_root(x: Node) -> Node:
     """x, or the activation x folds to 2-D for an mm (`x.flatten(0, 1)`, `view(x, [-1, h])`: the leading dims merged,
     the features kept): GEMMs of one activation are one group however each spells its input."""
-    while isinstance(x, Node) and x.op == "call_function" and x.target in _FOLDS:
+    while isinstance(x, Node) and x.op == "call_function" and x.target in ROW_VIEWS:
         src = x.args[0]
         out, inp = x.meta.get("val"), getattr(src, "meta", {}).get("val")
         if out is None or inp is None or out.dim() > inp.dim() or out.shape[-1] != inp.shape[-1]:
@@ -370,13 +367,9 @@ def _blocked_by(e: NoRule, seeds, placements, params, order, frozen, activations
     return e
 
 
-_LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
-           aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.clone.default, aten.alias.default}
-
-
 def _producer(x: Node, candidates: set[Node]) -> Node | None:
     """The seed GEMM whose output x is, through layout ops only (a key projection viewed into heads), or None."""
-    while isinstance(x, Node) and x not in candidates and x.op == "call_function" and x.target in _LAYOUT:
+    while isinstance(x, Node) and x not in candidates and x.op == "call_function" and x.target in LAYOUT:
         x = x.args[0]
     return x if x in candidates else None
 

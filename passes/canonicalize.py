@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 from .meta import FXPAR_INPUT, GraphInput, input_of, placeholders
+from .op_families import LOG_SOFTMAX, ROW_VIEWS
 
 
 def merge_aliases_pass(gm: GraphModule, canonical: dict[str, str]) -> GraphModule:
@@ -72,9 +73,6 @@ def view_as_pass(gm: GraphModule) -> GraphModule:
     return gm
 
 
-_ROW_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-              torch.ops.aten.flatten.using_ints}
-_LOG_SOFTMAX = {torch.ops.aten.log_softmax.int, torch.ops.aten._log_softmax.default}
 
 
 def cross_entropy_pass(gm: GraphModule) -> GraphModule:
@@ -88,11 +86,11 @@ def cross_entropy_pass(gm: GraphModule) -> GraphModule:
         if n.op != "call_function" or n.target is not torch.ops.aten.nll_loss_nd.default or n.kwargs:
             continue
         chain, x = [], n.args[0]
-        while x.op == "call_function" and x.target in _ROW_VIEWS and len(x.users) == 1 \
+        while x.op == "call_function" and x.target in ROW_VIEWS and len(x.users) == 1 \
                 and x.meta["val"].shape[-1] == x.args[0].meta["val"].shape[-1]:
             chain.append(x)
             x = x.args[0]
-        if x.op != "call_function" or x.target not in _LOG_SOFTMAX or len(x.users) != 1 \
+        if x.op != "call_function" or x.target not in LOG_SOFTMAX or len(x.users) != 1 \
                 or n.args[0].meta["val"].dim() > 2:
             continue
         src, dim = x.args[0], x.args[1]

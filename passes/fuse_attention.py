@@ -17,9 +17,9 @@ from torch.fx import GraphModule, Node
 
 from .fusion_match import erase, done, is_call, ndim, new_node, only_user, scalar_operand, val
 from .meta import FXPAR_ASSUMES, input_of
+from .op_families import SOFTMAX
 
 aten = torch.ops.aten
-_SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _MASK_OPS = {aten.alias.default, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
              aten.squeeze.dim, aten.expand.default, aten.eq.Scalar, aten.ne.Scalar, aten.logical_not.default,
              aten.bitwise_not.default, aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default,
@@ -183,7 +183,7 @@ def attention_to_sdpa_pass(gm: GraphModule, values: Mapping | None = None) -> Gr
     """
     changed = 0
     for node in list(gm.graph.nodes):
-        if not is_call(node, *_SOFTMAX) or node.graph is not gm.graph or not node.users:
+        if not is_call(node, *SOFTMAX) or node.graph is not gm.graph or not node.users:
             continue
         a = _match_attention(node, values)
         if a is None:

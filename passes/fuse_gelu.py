@@ -18,8 +18,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import fused_ops
-from .fusion_match import (VIEWS, const_is, done, erase, is_call, keeps_last_dim, match_biased, ndim, new_node,
-                           only_user, scalar_operand, split_bias, users_of)
+from .fusion_match import (const_is, done, erase, is_call, keeps_last_dim, match_biased, ndim, new_node, only_user,
+                           scalar_operand, split_bias, users_of)
+from .op_families import VIEWS
 
 aten = torch.ops.aten
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

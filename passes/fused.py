@@ -18,12 +18,13 @@ import math
 import torch
 from torch.fx import Node
 
+from .op_families import SPLITS
+
 aten = torch.ops.aten
 _SAME_DIM = {
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.dropout.default, aten._to_copy.default,
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
 }
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _PICKS = {aten.select.int, aten.unbind.int}
 
 
@@ -50,7 +51,7 @@ def _follow(node: Node, dim: int, depth: int = 0):
     for u in node.users:
         if u.op != "call_function":
             continue
-        if u.target in _SPLITS and _norm(u.args[2] if len(u.args) > 2 else 0, nd) == dim:
+        if u.target in SPLITS and _norm(u.args[2] if len(u.args) > 2 else 0, nd) == dim:
             return tuple(_split_sizes(u))
         if u.target is aten.slice.Tensor and _norm(u.args[1], nd) == dim:
             slices.append((u.args[2] or 0, min(u.args[3] if len(u.args) > 3 else shape[dim], shape[dim])))

@@ -17,10 +17,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .meta import FXPAR_FUSED, copy_meta
+from .op_families import VIEWS
 
 aten = torch.ops.aten
 ASSERT = aten._assert_tensor_metadata.default
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def is_call(n, *targets) -> bool:

@@ -27,14 +27,14 @@ from torch.fx import GraphModule, Node
 
 from .grouped_gemm import EXPERT_BMM, GROUPED_LINEAR, expert_bmm_form, grouped_form
 from .meta import FXPAR_ORIGIN, param_nodes
+from .op_families import TRANSPOSES
 
 aten = torch.ops.aten
-_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
 
 
 def _transposed_weight(n, params: set[Node]) -> Node | None:
     """W when n is a transpose of a 2-D weight parameter W (t, .T, transpose(0, 1), permute([1, 0]))."""
-    if not isinstance(n, Node) or n.op != "call_function" or n.target not in _TRANSPOSES:
+    if not isinstance(n, Node) or n.op != "call_function" or n.target not in TRANSPOSES:
         return None
     w = n.args[0]
     if w not in params or len(w.meta["val"].shape) != 2:
@@ -163,7 +163,7 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
         changed = True
     if changed:
         for n in reversed(list(gm.graph.nodes)):  # the transposes nobody reads any more
-            if n.op == "call_function" and n.target in _TRANSPOSES and not n.users:
+            if n.op == "call_function" and n.target in TRANSPOSES and not n.users:
                 gm.graph.erase_node(n)
         gm.graph.lint()
         gm.recompile()

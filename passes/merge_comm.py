@@ -30,6 +30,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .meta import FXPAR_PLACEMENT, FXPAR_SCALE, comm_kind
+from .op_families import CASTS, LAYOUT
 from .ops import TPComm
 from .placements import Partial, Replicate
 from .storage import Storage, writes
@@ -37,11 +38,7 @@ from .tp import call_comm
 
 aten = torch.ops.aten
 R = Replicate()
-_LAYOUT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-           aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.clone.default,
-           aten.alias.default, aten.flatten.using_ints, aten.unflatten.int, aten.expand.default, aten.repeat.default}
 _INDEX = {aten.index.Tensor, aten.index_select.default, aten.select.int, aten.slice.Tensor, aten.narrow.default}
-_CASTS = {aten.to.dtype, aten._to_copy.default}
 _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.neg.default}
 _SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
 _ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # in place: into a value g alone read
@@ -109,11 +106,11 @@ def _linear_in(n: Node, g: Node) -> bool:
     """n is linear in g's value, reads it once, and outputs no more values ([Note: moving a collective])."""
     if n.op != "call_function" or _numel(n) < 0 or _numel(n) > _numel(g):
         return False
-    if n.target in _LAYOUT | _SUMS:
+    if n.target in LAYOUT | _SUMS:
         return n.args[0] is g and all(a is g for a in _tensor_inputs(n)) and _val(n).dtype == _val(g).dtype
     if n.target in _INDEX:
         return n.args[0] is g and g not in n.args[1:] and _integer_only(n, g) and not _in(g, n.args[1:])
-    if n.target in _CASTS:
+    if n.target in CASTS:
         return n.args[0] is g and _cast_ok(n, g, widen=True)
     if n.target in _SCALED:
         return _per_token_factor(n, g)
@@ -218,12 +215,12 @@ def _hoist_source(x: Node) -> tuple[Node, Node | None] | None:
     y = x.args[0]
     if not isinstance(y, Node):
         return None
-    if x.target in _LAYOUT:
+    if x.target in LAYOUT:
         ok = all(a is y for a in _tensor_inputs(x))
     elif x.target in _INDEX:
         ok = _integer_only(x, y) and not _in(y, x.args[1:]) and len(x.users) == 1
     else:
-        ok = x.target in _CASTS and _cast_ok(x, y, widen=False)
+        ok = x.target in CASTS and _cast_ok(x, y, widen=False)
     return (y, None) if ok else None
 
 

@@ -33,12 +33,11 @@ from . import fused_ops
 from .layers import Layers, find_layers
 from .meta import FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
 from .rng import streams_in
+from .op_families import SDPA, SOFTMAX
 
 aten = torch.ops.aten
 _CUT = object()  # a collective: ends any region
-_SDPA = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default}
-_WORTH = _SDPA | _SOFTMAX | {  # ops that save activations: a region without one has nothing to recompute
+_WORTH = SDPA | SOFTMAX | {  # ops that save activations: a region without one has nothing to recompute
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
     aten.layer_norm.default, aten.native_layer_norm.default, aten.gelu.default, aten.silu.default,
     aten.relu.default, aten.tanh.default, aten.rsqrt.default, fused_ops.bias_gelu, fused_ops.bias_gelu_linear,
@@ -174,7 +173,7 @@ def _between(src: Node, dst: Node) -> set[Node]:
 
 def _random_sdpa(gm: GraphModule, n: Node) -> bool:
     """An SDPA with dropout, on its random stream (a call of passes/rng.py's ForkedRandom)."""
-    return n.op == "call_module" and FXPAR_RANDOM in n.meta and getattr(gm.get_submodule(n.target), "op", None) in _SDPA
+    return n.op == "call_module" and FXPAR_RANDOM in n.meta and getattr(gm.get_submodule(n.target), "op", None) in SDPA
 
 
 def _selective_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[Node]]]:
@@ -182,9 +181,9 @@ def _selective_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[
     regions = []
     for n in gm.graph.nodes:
         core = None
-        if n.op == "call_function" and n.target in _SDPA or _random_sdpa(gm, n):
+        if n.op == "call_function" and n.target in SDPA or _random_sdpa(gm, n):
             core = {n}
-        elif n.op == "call_function" and n.target in _SOFTMAX:
+        elif n.op == "call_function" and n.target in SOFTMAX:
             core = _attention_core(n)
         if core:
             label = f"selective:{layers.layer(n) or n.name}"

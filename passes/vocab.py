@@ -26,6 +26,7 @@ from torch.fx import Node
 
 from .analysis import Analysis, Region, activations_of, spread
 from .meta import USER, input_of, module_path
+from .op_families import GEMMS
 from .placements import Replicate, Shard, plain_shard
 from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, NoRule, other_use
 
@@ -53,8 +54,6 @@ def _embeddings(gm, params):
     ]
 
 
-_GEMMS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
-          aten.einsum.default}
 
 
 def _reaches_output(n: Node) -> bool:
@@ -65,7 +64,7 @@ def _reaches_output(n: Node) -> bool:
         for u in todo.pop().users:
             if u.op == "output":
                 return True
-            if u not in seen and not (u.op == "call_function" and u.target in _GEMMS):
+            if u not in seen and not (u.op == "call_function" and u.target in GEMMS):
                 seen.add(u)
                 todo.append(u)
     return False

@@ -1,0 +1,33 @@
+"""Op families: the sets of ATen ops that passes and rules recognise by what they do, in one place (as tinygrad's
+GroupOp), so a family fixed here is fixed for every pass that reads it.
+
+    VIEWS        reinterpret the same elements under another shape: view, reshape
+    ROW_VIEWS    VIEWS and flatten: fold leading dims into rows (or back)
+    LAYOUT       move or copy elements without changing their values: ROW_VIEWS, transposes, (un)squeeze, expand,
+                 repeat, clone, alias
+    TRANSPOSES   swap two dims of a 2-D operand (t, .T, transpose, permute)
+    SPLITS       cut one dim into pieces: split, split_with_sizes, chunk
+    CASTS        change the dtype only
+    SOFTMAX, LOG_SOFTMAX, SDPA
+    GEMMS        every matrix product, with or without a weight (the analysis' seeds are rules.GEMM_WEIGHT_ARG)
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+ROW_VIEWS = VIEWS | {aten.flatten.using_ints}
+LAYOUT = ROW_VIEWS | {
+    aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.unflatten.int, aten.expand.default, aten.repeat.default, aten.clone.default, aten.alias.default,
+}
+TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default})
+SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
+CASTS = frozenset({aten.to.dtype, aten._to_copy.default})
+SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default})
+LOG_SOFTMAX = frozenset({aten.log_softmax.int, aten._log_softmax.default})
+SDPA = frozenset({aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default})
+GEMMS = frozenset({aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+                   aten.einsum.default})
