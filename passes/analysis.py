@@ -64,8 +64,8 @@ from .meta import USER, input_of, module_path
 from .op_families import LAYOUT, ROW_VIEWS
 from .placements import Placement, Replicate, Shard, plain_shard
 from .rule_table import rule_for
-from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, elementwise,
-                    other_use)
+from .rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible, NoRule, Role,
+                    elementwise, other_use)
 
 aten = torch.ops.aten
 
@@ -156,7 +156,7 @@ def _column(gemm: Node, s: Shard, params: set[Node], x: Node) -> tuple[Decision,
             specs[bias] = Shard(0, *layout)
         else:
             enter[bias] = Shard(0, *layout)
-    return Decision(s, enter, role="column"), specs
+    return Decision(s, enter, role=Role.COLUMN), specs
 
 
 def _row_spec(gemm: Node, s: Shard) -> dict[Node, Shard]:
@@ -223,7 +223,7 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
                 raise NoRule(f"{n.name}: would shard the replicated activation {inp.name} by scattering it (a "
                              "residual stream); the region closes at its row-parallel GEMMs instead")
         decisions[n], ctx.placements[n] = d, d.out
-        if d.role == "row":
+        if d.role is Role.ROW:
             x = n.args[GEMM_WEIGHT_ARG[n.target][1]]
             specs.update(_row_spec(n, ctx.placements[x]))
         elif _is_sharded(d.out):
@@ -313,7 +313,7 @@ def _check_widths(got: dict[Node, Decision], subset, x: Node) -> None:
     than the region reads, naming the seeds it is computed from."""
     width = x.meta["val"].shape[-1]
     for r, d in got.items():
-        if d.role != "row":
+        if d.role is not Role.ROW:
             continue
         out, contracted = r.meta["val"].shape[-1], _seed_input(r).meta["val"].shape[-1]
         seeds = {s for s in subset if s in _upstream_in(r, got)}
@@ -446,7 +446,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 param_specs.update(specs)
                 region.columns = [s.name for s in subset]
                 region.module = _common_module([n for n, d in got.items() if d.role])
-                region.rows = [n.name for n, d in got.items() if d.role == "row"]
+                region.rows = [n.name for n, d in got.items() if d.role is Role.ROW]
                 region.modules.update({n.name: module_path(n) for n, d in got.items() if d.role})
                 label = subset[0].name
                 frozen.update(dict.fromkeys(got, label))

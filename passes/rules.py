@@ -13,6 +13,7 @@ analysis then leaves that whole region replicated. Never guess.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -34,12 +35,30 @@ class Indivisible(NoRule):
     """The op could keep this sharding, but a size (heads, features) is not divisible by t."""
 
 
+class Role(str, Enum):
+    """What the tensor-parallel rewrite does at a decided node besides placing it (passes/tp.py REWRITES). A str:
+    a role equals its name."""
+
+    COLUMN = "column"  # a seed GEMM: its weight's output features sharded (nothing to insert after it)
+    ROW = "row"  # a GEMM contracting a sharded dim: g after it, then its bias ([Note: row-parallel bias])
+    REDUCE = "reduce"  # a sum or mean over the sharded dim: stat after it ([Note: partial statistics])
+    VOCAB_EMBEDDING = "vocab_embedding"  # the lookup, replaced by the vocab-parallel embedding
+    VOCAB_CROSS_ENTROPY = "vocab_cross_entropy"  # the loss over sharded logits, replaced by its vocab-parallel op
+    VOCAB_LOGSUMEXP = "vocab_logsumexp"
+    VOCAB_GATHER = "vocab_gather"
+    VOCAB_HEAD = "vocab_head"  # the LM head: column-parallel over the vocabulary, then all-gathered
+    VOCAB_HEAD_LOCAL = "vocab_head_local"  # the LM head whose sharded logits flow on into the loss ops
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 @dataclass
 class Decision:
     out: Placement | tuple[Placement, ...]
     enter: dict[Node, Shard | None] = field(default_factory=dict)  # replicated input -> None (f) or Shard (scatter)
     args: tuple | None = None  # localized args, when shape constants change
-    role: str | None = None  # "column" | "row" for GEMMs with a weight parameter
+    role: Role | None = None
     target: Callable | None = None  # a new op, when the local form needs one
 
 
@@ -323,7 +342,7 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
     if s.dim not in dims:
         return Decision(reduced(s, dims, keep))
     if node.target in _PARTIAL_SUMS:
-        return Decision(R, role="reduce")
+        return Decision(R, role=Role.REDUCE)
     raise NoRule(f"{node.name}: {node.target.__name__} reduces over the sharded dim {s.dim}")
 
 
@@ -456,7 +475,7 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
         raise NoRule(f"{node.name}: input {getattr(x, 'name', x)} is {s}")
     if w in ctx.params and other_use(w, node) is None and s.dim == nx - 1:
         _need_divisible(s, ctx.t, node)
-        return Decision(R, role="row")  # g follows; the caller shards the weight on w_in_dim with s's layout
+        return Decision(R, role=Role.ROW)  # g follows; the caller shards the weight on w_in_dim with s's layout
     if node.target is GROUPED_LINEAR and s.dim != nx - 1:
         raise NoRule(f"{node.name}: a grouped GEMM's rows belong to groups by its offsets; rows sharded as {s}")
     if node.target is EXPERT_BMM and s.dim == 0:

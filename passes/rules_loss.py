@@ -10,7 +10,7 @@ import torch
 from torch.fx import Node
 
 from .placements import Replicate
-from .rules import R, Ctx, Decision, NoRule, arg, reduced
+from .rules import R, Ctx, Decision, NoRule, Role, arg, reduced
 
 aten = torch.ops.aten
 
@@ -35,7 +35,7 @@ def cross_entropy(node: Node, ctx: Ctx) -> Decision:
         raise NoRule(f"{node.name}: cross-entropy with class weights")
     if target.meta["val"].is_floating_point():
         raise NoRule(f"{node.name}: cross-entropy against class probabilities (a float target)")
-    return Decision(R, role="vocab_cross_entropy")
+    return Decision(R, role=Role.VOCAB_CROSS_ENTROPY)
 
 
 def logsumexp(node: Node, ctx: Ctx) -> Decision:
@@ -48,7 +48,7 @@ def logsumexp(node: Node, ctx: Ctx) -> Decision:
     if dims != {s.dim}:
         raise NoRule(f"{node.name}: logsumexp over the sharded dim {s.dim} and others {sorted(dims - {s.dim})}")
     _class_block(node, ctx, s.dim)
-    return Decision(R, role="vocab_logsumexp")
+    return Decision(R, role=Role.VOCAB_LOGSUMEXP)
 
 
 def gather(node: Node, ctx: Ctx) -> Decision:
@@ -61,7 +61,7 @@ def gather(node: Node, ctx: Ctx) -> Decision:
         raise NoRule(f"{node.name}: gathers along dim {arg(node, 'dim')}, not the sharded dim {ctx.p(x).dim}")
     if arg(node, "sparse_grad", False):
         raise NoRule(f"{node.name}: gather with sparse gradients")
-    return Decision(R, role="vocab_gather")
+    return Decision(R, role=Role.VOCAB_GATHER)
 
 
 LOSS_RULES = {

@@ -24,6 +24,7 @@ compiler's next stage (local_shapes) propagates this rank's local shapes through
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 
 import torch
@@ -33,7 +34,7 @@ from .analysis import Analysis
 from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
 from .ops import CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, TPComm, VocabParallelEmbedding
 from .placements import Partial, Replicate, Shard
-from .rules import arg
+from .rules import Role, arg
 from .vocab_ops import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp
 
 R = Replicate()
@@ -43,7 +44,6 @@ COMM_MODULES = {  # each collective's module (what it does: passes/meta.py COMM_
     Comm.VOCAB_CROSS_ENTROPY: VocabParallelCrossEntropy, Comm.VOCAB_LOGSUMEXP: VocabParallelLogsumexp,
     Comm.VOCAB_GATHER: VocabParallelGather,
 }
-VOCAB_OPS = frozenset(c for c in Comm if c.info.vocab)  # decision roles that are a call of one of these modules
 
 aten = torch.ops.aten
 
@@ -142,6 +142,17 @@ def _reduce_partial(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     return out
 
 
+def _vocab_call(gm: GraphModule, node: Node, comm: TPComm, *, role: Role) -> Node:
+    """The same call, to its vocab-parallel module (passes/vocab_ops.py); returns the module's call."""
+    with gm.graph.inserting_before(node):
+        op = call_comm(gm, Comm(role), comm, node.args, node.kwargs)
+    keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the node it replaces
+    op.meta.update({k: node.meta[k] for k in keep if k in node.meta})
+    node.replace_all_uses_with(op)
+    gm.graph.erase_node(node)
+    return op
+
+
 def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     """Column-parallel over the vocabulary, then all-gathered; returns the gathered (replicated) logits."""
     users = list(node.users)
@@ -152,6 +163,17 @@ def _vocab_head(gm: GraphModule, node: Node, comm: TPComm) -> Node:
     for u in users:
         u.replace_input_with(node, out)
     return out
+
+
+# what the rewrite inserts at a node of each role (a column GEMM needs nothing after it); each returns the node that
+# now holds the node's value
+REWRITES = {
+    Role.ROW: _reduce_then_bias,
+    Role.REDUCE: _reduce_partial,
+    Role.VOCAB_HEAD: _vocab_head,
+    **{role: functools.partial(_vocab_call, role=role)  # each a call of the vocab-parallel module of its name
+       for role in (Role.VOCAB_EMBEDDING, Role.VOCAB_CROSS_ENTROPY, Role.VOCAB_LOGSUMEXP, Role.VOCAB_GATHER)},
+}
 
 
 def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> GraphModule:
@@ -176,20 +198,9 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         for inp, how in d.enter.items():
             now = replaced.get(inp, inp)  # replaced already: a vocab lookup, gathered logits, a row GEMM's g (+bias)
             node.replace_input_with(now, ins.enter(now, how, node, inp))
-        if d.role == "row":
-            replaced[node] = _reduce_then_bias(gm, node, comm)
-        elif d.role == "reduce":
-            replaced[node] = _reduce_partial(gm, node, comm)
-        elif d.role in VOCAB_OPS:  # the same call, to its vocab-parallel module (passes/vocab_ops.py)
-            with gm.graph.inserting_before(node):
-                op = call_comm(gm, d.role, comm, node.args, node.kwargs)
-            keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the node it replaces
-            op.meta.update({k: node.meta[k] for k in keep if k in node.meta})
-            node.replace_all_uses_with(op)
-            gm.graph.erase_node(node)
-            replaced[node] = op
-        elif d.role == "vocab_head":
-            replaced[node] = _vocab_head(gm, node, comm)
+        rewrite = REWRITES.get(d.role)
+        if rewrite is not None:
+            replaced[node] = rewrite(gm, node, comm)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -28,7 +28,7 @@ from .analysis import Analysis, Region, activations_of, spread
 from .meta import USER, input_of, module_path
 from .op_families import GEMMS
 from .placements import Replicate, Shard, plain_shard
-from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, NoRule, other_use
+from .rules import GEMM_WEIGHT_ARG, Ctx, Decision, NoRule, Role, other_use
 
 aten = torch.ops.aten
 
@@ -120,7 +120,7 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
     spec = plain_shard(0, vocab)
     for e in table.users:
         if e.target is aten.embedding.default:
-            analysis.decisions[e] = Decision(Replicate(), role="vocab_embedding")
+            analysis.decisions[e] = Decision(Replicate(), role=Role.VOCAB_EMBEDDING)
             record.columns.append(e.name)
             record.modules[e.name] = module_path(e)
     for h in heads:
@@ -131,7 +131,7 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
             analysis.param_specs[bias] = spec
         elif bias is not None:
             enter[bias] = spec  # read elsewhere too: it stays whole and is scattered here
-        analysis.decisions[h] = Decision(Replicate(), enter, role="vocab_head")
+        analysis.decisions[h] = Decision(Replicate(), enter, role=Role.VOCAB_HEAD)
         record.rows.append(h.name)
         record.modules[h.name] = module_path(h)
         _keep_sharded(gm, analysis, h, params, record)
@@ -155,7 +155,7 @@ def _keep_sharded(gm, analysis: Analysis, head: Node, params: set[Node], record:
         record.logits += f"{head.name}: gathered ({e}); "
         return
     analysis.decisions[head] = dataclasses.replace(analysis.decisions[head], out=ctx.placements[head],
-                                                   role="vocab_head_local")
+                                                   role=Role.VOCAB_HEAD_LOCAL)
     analysis.decisions.update(decisions)
     analysis.placements.update({n: ctx.placements[n] for n in [head, *decisions]})
     analysis.param_specs.update(specs)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fxpar.passes import rules
 from fxpar.passes.rule_table import rule_for
-from fxpar.passes.rules import Decision, Indivisible, NoRule
+from fxpar.passes.rules import Decision, Indivisible, NoRule, Role
 from tests.rule_helpers import R, S, aten, ctx, export
 
 
@@ -61,7 +61,7 @@ def test_reduction_over_other_dims(fn, target, shard, out):
 def test_a_sum_or_mean_over_the_sharded_dim_is_a_partial_sum(fn, target):
     g = export(fn, (2, 8, 32))
     node = g.node(target)
-    assert rules.reduction(node, ctx({node.args[0]: S(2, 32)})) == Decision(R, role="reduce")
+    assert rules.reduction(node, ctx({node.args[0]: S(2, 32)})) == Decision(R, role=Role.REDUCE)
 
 
 @pytest.mark.parametrize("fn,target", [
@@ -208,7 +208,7 @@ def test_linear_row_parallel(bias):
     g = export(nn.Linear(32, 16, bias=bias), (2, 8, 32))
     (x,) = g.inputs
     got = rules.gemm(g.node(aten.linear.default), ctx({x: S(2, 32)}, params=g.params.values()))
-    assert got == Decision(R, role="row")
+    assert got == Decision(R, role=Role.ROW)
 
 
 @pytest.mark.parametrize("fn,shapes,target", [
@@ -218,7 +218,7 @@ def test_linear_row_parallel(bias):
 def test_mm_and_addmm_row_parallel(fn, shapes, target):
     g = export(fn, *shapes)
     x, w = g.inputs[:2]
-    assert rules.gemm(g.node(target), ctx({x: S(1, 32)}, params={w})) == Decision(R, role="row")
+    assert rules.gemm(g.node(target), ctx({x: S(1, 32)}, params={w})) == Decision(R, role=Role.ROW)
 
 
 def test_gemm_row_parallel_indivisible():
