@@ -33,12 +33,27 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 from fractions import Fraction
 
 from ..cost.pipeline import check_schedule
 
-F, B = "F", "B"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+class Kind(str, Enum):
+    """What an Action does: compute a chunk's forward or backward, or move its activations or gradients to or from
+    a peer. A str: a kind equals its name ("F" == Kind.F), and prints as it."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+F, B, SEND_F, RECV_F, SEND_B, RECV_B = Kind
 COMPUTE_KINDS = (F, B)
 P2P_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 KINDS = COMPUTE_KINDS + P2P_KINDS
@@ -51,13 +66,14 @@ class Action:
     """One step of one pipeline rank: `kind` of global `chunk` on `microbatch`; p2p kinds also name the `peer`."""
 
     chunk: int
-    kind: str
+    kind: Kind
     microbatch: int
     peer: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Action kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", Kind(self.kind))  # a kind given by its name is the Kind of that name
         for name in ("chunk", "microbatch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -77,7 +93,7 @@ class Action:
 
     @property
     def direction(self) -> str:
-        """"F" for forward traffic (F, SEND_F, RECV_F), "B" for backward traffic."""
+        """Kind.F for forward traffic (F, SEND_F, RECV_F), Kind.B for backward traffic."""
         return F if self.kind in (F, SEND_F, RECV_F) else B
 
     def message(self) -> tuple[str, int, int, int]:
