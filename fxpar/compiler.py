@@ -6,7 +6,7 @@ product, which the driver stores on the record under the stage's field; later st
 stage, and re-raises any error with the stage's name and the stages that ran before it: bad input (ValueError,
 TraceError) keeps its type, anything else becomes a PassError.
 
-The traced program (`traced.gm`) is never rewritten: `canonicalize` makes the working copy (`gm`) that the graph
+The traced program (`traced.gm`) is never rewritten: `working_copy` makes the copy (`gm`) that the graph
 passes rewrite in place, `keep_tp_graph` snapshots it for verify, and the partition copies the nodes of each chunk
 into graphs of its own. Stages hand each other typed metadata (passes/meta.py), never node names.
 """
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +28,8 @@ from torch.fx import GraphModule
 from fxpar.config import Config
 from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
 from fxpar.passes.canonicalize import cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
-from fxpar.passes.fusion import fusion_pass
+from fxpar.passes.fusion import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
+                                 identity_dropout_pass)
 from fxpar.passes.gemm_forms import gemm_forms_pass
 from fxpar.passes.local_shapes import input_device, local_shapes_pass, meta_state_device, place_meta_state_pass
 from fxpar.passes.lower_schedule import Program, lower_program
@@ -44,6 +47,7 @@ from fxpar.passes.simulate import SimResult
 from fxpar.passes.tp import tensor_parallel_pass
 from fxpar.passes.vocab import vocab_analysis
 from fxpar.trace import TraceError, Traced, trace
+from fxpar.weights import expected_state
 
 log = logging.getLogger("fxpar")
 
@@ -87,9 +91,11 @@ class Compiled:
     proof: SimResult | None = None  # the replay that proved the program (pipelined only)
     callables: dict[int, Callable] | None = None  # chunk index -> what runs it (compiled with Config.compile)
     buffers: dict | None = None  # buffer values the fusion may rely on (default: the model's)
-    assumed: dict[GraphInput, torch.Tensor] = field(default_factory=dict)  # values a rewrite relied on (fuse)
-    expected_state: dict | None = None  # key -> the fake value each weight was traced with (the executable's check)
+    state_values: dict | None = None  # GraphInput -> the buffer or constant value a fusion may prove things from
+    assumed: dict[GraphInput, torch.Tensor] = field(default_factory=dict)  # values a rewrite relied on (fusions)
+    expected_state: dict | None = None  # chunk index -> key -> the fake value each weight was traced with
     done: list[str] = field(default_factory=list)
+    dumped: str = ""  # the code of the graph the driver last wrote to Config.dump_dir (the next diff's base)
 
     @property
     def specs(self) -> dict[str, Shard]:
@@ -114,14 +120,14 @@ def _trace(c: Compiled) -> Traced:
     return traced
 
 
-def _canonicalize(c: Compiled) -> GraphModule:
-    """The working copy of the traced program (its nodes keep their names and metadata), with one placeholder per
-    tensor (tied weights are one parameter), no metadata-only asserts, view_as spelled as a view, log_softmax + nll
-    as the cross-entropy it is, and every weight contraction in a GEMM form the analysis seeds from
-    (passes/gemm_forms.py)."""
-    gm = GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
-    gm = drop_metadata_asserts_pass(merge_aliases_pass(gm, canonical_keys(c.model)))
-    return gemm_forms_pass(cross_entropy_pass(view_as_pass(gm)))
+def _working_copy(c: Compiled) -> GraphModule:
+    """The working copy of the traced program, which the graph stages rewrite in place (its nodes keep their names
+    and metadata)."""
+    return GraphModule(c.traced.gm, copy.deepcopy(c.traced.gm.graph), class_name=c.traced.model_name or "Traced")
+
+
+def _merge_aliases(c: Compiled) -> GraphModule:
+    return merge_aliases_pass(c.gm, canonical_keys(c.model))
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:
@@ -134,10 +140,15 @@ def canonical_keys(model: nn.Module) -> dict[str, str]:
 
 
 def _analyze(c: Compiled) -> Analysis:
-    params = param_nodes(c.gm)
-    analysis = vocab_analysis(c.gm, analyze(c.gm, c.target.comm.size, params), params)
-    check_divisible(analysis)
-    return analysis
+    return analyze(c.gm, c.target.comm.size, param_nodes(c.gm))
+
+
+def _vocab(c: Compiled) -> Analysis:
+    return vocab_analysis(c.gm, c.analysis, param_nodes(c.gm))
+
+
+def _check_divisible(c: Compiled) -> None:
+    check_divisible(c.analysis)
 
 
 def _tensor_parallel(c: Compiled) -> GraphModule:
@@ -156,16 +167,33 @@ def _keep_tp_graph(c: Compiled) -> GraphModule:
     return GraphModule(c.gm, copy.deepcopy(c.gm.graph), class_name="TensorParallel")
 
 
-def _fuse(c: Compiled) -> GraphModule:
-    if not c.config.fuse:
-        return c.gm
+def _state_values(c: Compiled) -> dict[GraphInput, torch.Tensor]:
+    """The buffer and constant values a fusion may prove something from (a mask causal)."""
     state = c.buffers if c.buffers is not None else dict(c.model.named_buffers(remove_duplicate=False))
     # a buffer built on the meta device has no value yet: nothing is proven from it (its mask stays unfused)
-    values = {gi: v for gi, v in c.traced.values(state).items() if not v.is_meta}
-    gm = fusion_pass(c.gm, values, recompute_gelu=c.config.recompute == "selective")
-    used = {gi for n in gm.graph.nodes for gi in n.meta.get(FXPAR_ASSUMES, ())}
-    c.assumed = {gi: values[gi].detach().clone() for gi in used}  # checked before each call (the executable)
-    return gm
+    return {gi: v for gi, v in c.traced.values(state).items() if not v.is_meta}
+
+
+def _fusion(pass_fn: Callable[[GraphModule], GraphModule]) -> Callable[[Compiled], GraphModule]:
+    """A fusion stage: pass_fn on the working graph, where Config.fuse is on."""
+    return lambda c: pass_fn(c.gm) if c.config.fuse else c.gm
+
+
+def _attention_to_sdpa(c: Compiled) -> GraphModule:
+    return attention_to_sdpa_pass(c.gm, c.state_values) if c.config.fuse else c.gm
+
+
+def _gelu(c: Compiled) -> GraphModule:
+    """GeLU written out -> aten.gelu; with Config(recompute="selective") bias+GeLU recomputed in backward."""
+    if not c.config.fuse:
+        return c.gm
+    return bias_gelu_pass(c.gm) if c.config.recompute == "selective" else gelu_pass(c.gm)
+
+
+def _assumed(c: Compiled) -> dict[GraphInput, torch.Tensor]:
+    """The values the fusions relied on, which the executable checks before each call."""
+    used = {gi for n in c.gm.graph.nodes for gi in n.meta.get(FXPAR_ASSUMES, ())}
+    return {gi: c.state_values[gi].detach().clone() for gi in used}
 
 
 def _random_streams(c: Compiled) -> GraphModule:
@@ -206,6 +234,10 @@ def _compile(c: Compiled) -> dict[int, Callable]:
     return {chunk.index: compile_graph(chunk.gm) if c.config.compile else chunk.gm for chunk in c.partition.chunks}
 
 
+def _expected_state(c: Compiled) -> dict[int, dict[str, torch.Tensor]]:
+    return {chunk.index: expected_state([chunk]) for chunk in c.partition.chunks}
+
+
 def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
     """torch.compile(gm) (Config.compile, off by default): one compiled callable per graph chunk.
 
@@ -214,16 +246,28 @@ def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
     return torch.compile(gm, backend=backend, **options)
 
 
-STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
-    # name             product        what it does
+STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
+    # name             product (None: a check)   what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
-    ("canonicalize", "gm", _canonicalize),  # the working copy: tied weights merged, asserts dropped, GEMMs in one form
-    ("analyze", "analysis", _analyze),  # placements and regions (passes/analysis.py, vocab.py)
+    ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
+    ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
+    ("drop_asserts", "gm", lambda c: drop_metadata_asserts_pass(c.gm)),  # metadata-only asserts
+    ("view_as", "gm", lambda c: view_as_pass(c.gm)),  # view_as spelled as the view it is
+    ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
+    ("gemm_forms", "gm", lambda c: gemm_forms_pass(c.gm)),  # every weight contraction as linear / mm / addmm
+    ("analyze", "analysis", _analyze),  # placements and regions of column- then row-parallel GEMMs
+    ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/vocab.py)
+    ("check_divisible", None, _check_divisible),  # every sharded size divides by t, or a clear error
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("merge_comm", "gm", _merge_comm),  # g moved past linear ops, two partial sums one g; f's of one value one f
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
-    ("fuse", "gm", _fuse),  # attention -> SDPA, bias+dropout+add, GeLU (Config.fuse; recomputed: "selective")
+    ("state_values", "state_values", _state_values),  # buffer values the fusions may prove masks from
+    ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)
+    ("identity_dropout", "gm", _fusion(identity_dropout_pass)),  # a dropout that is an identity removed
+    ("bias_dropout_add", "gm", _fusion(bias_dropout_add_pass)),  # bias + dropout + residual add, one op
+    ("gelu", "gm", _gelu),  # GeLU written out -> aten.gelu (recompute="selective": bias+GeLU recomputed)
+    ("assumed", "assumed", _assumed),  # the values the fusions relied on, checked before each call
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("in_place", "gm", _in_place),  # f and g all-reduce in place where nothing else reads the tensor
@@ -232,6 +276,7 @@ STAGES: tuple[tuple[str, str, Callable[[Compiled], object]], ...] = (
     ("lower", "program", _lower),  # sends, early-posted receives, message tags
     ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/proofs.py)
     ("compile", "callables", _compile),  # torch.compile each chunk (Config.compile), else the chunk graphs
+    ("expected_state", "expected_state", _expected_state),  # each chunk's weights as traced (the executable checks)
 )
 
 
@@ -240,7 +285,13 @@ def run_stages(c: Compiled, stages=STAGES) -> Compiled:
     for name, product, fn in stages:
         start = time.perf_counter()
         try:
-            setattr(c, product, fn(c))
+            out = fn(c)
+            if product == "gm" and not isinstance(out, GraphModule):
+                raise TypeError(f"a graph stage returned {type(out).__name__}, not a GraphModule")
+            if product is not None:
+                setattr(c, product, out)
+            if product == "gm" and c.config.dump_dir:
+                _dump(c, name)
         except (ValueError, TraceError) as e:
             raise _same_kind(e, f"{e}\n(in fxpar compiler stage {name!r}, after {', '.join(c.done) or 'none'})") from e
         except Exception as e:
@@ -249,6 +300,21 @@ def run_stages(c: Compiled, stages=STAGES) -> Compiled:
         c.done.append(name)
         log.debug("fxpar stage %s: %.3f s", name, time.perf_counter() - start)
     return c
+
+
+def _dump(c: Compiled, name: str) -> None:
+    """Config.dump_dir: the working graph after stage `name` as `NN_name.py`, and `NN_name.diff` against the graph
+    the stage received (rank r of the tp group in a folder `rank<r>` of its own)."""
+    folder = os.path.join(c.config.dump_dir, f"rank{c.target.comm.rank}")
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, f"{len(c.done):02d}_{name}")
+    code = c.gm.code
+    before = c.dumped
+    with open(base + ".py", "w") as f:
+        f.write(code)
+    with open(base + ".diff", "w") as f:
+        f.writelines(difflib.unified_diff(before.splitlines(True), code.splitlines(True), "before", name))
+    c.dumped = code
 
 
 def _same_kind(e: Exception, message: str) -> Exception:
@@ -288,7 +354,8 @@ def retarget(c: Compiled, model: nn.Module, pp: int, pipelined: bool = True) -> 
     _check_trace_of(c.traced, model)
     target = dataclasses.replace(c.target, pp=pp, pipelined=pipelined, chunk_layers=None)
     fresh = dataclasses.replace(c, model=model, target=target, partition=None, schedule=None, program=None,
-                                proof=None, callables=None, done=c.done[:first] + ["(retargeted)"])
+                                proof=None, callables=None, expected_state=None,
+                                done=c.done[:first] + ["(retargeted)"])
     return run_stages(fresh, STAGES[first:])
 
 

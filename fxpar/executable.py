@@ -25,7 +25,7 @@ from fxpar.passes.plan import Plan, WeightShard, make_plan
 from fxpar.precision import Grads, LossScaler
 from fxpar.programs import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
-from fxpar.weights import (LiveState, check_state, expected_state, from_model_spelling, has_state_hooks,
+from fxpar.weights import (LiveState, check_state, from_model_spelling, has_state_hooks,
                            load_full_or_local, tensor_keys, to_model_spelling)
 
 
@@ -121,9 +121,8 @@ class ParallelModule(nn.Module):
         """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
         `chunks`, or all of them), or if a weight built on the meta device was never loaded."""
         self.check_loaded()
-        if program.expected_state is None:
-            program.expected_state = expected_state(program.partition.chunks if chunks is None else chunks)
-        check_state(self._live, program.expected_state)
+        for chunk in program.partition.chunks if chunks is None else chunks:
+            check_state(self._live, program.expected_state[chunk.index])
 
     def check_loaded(self, what: str = "would run on garbage") -> None:
         """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""

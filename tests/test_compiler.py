@@ -14,10 +14,12 @@ from tests import models
 
 def test_the_stage_list_is_the_whole_compiler():
     assert [name for name, _, _ in STAGES] == [
-        "trace", "canonicalize", "analyze", "tensor_parallel", "merge_comm", "local_shapes", "keep_tp_graph", "fuse",
+        "trace", "working_copy", "merge_aliases", "drop_asserts", "view_as", "cross_entropy", "gemm_forms",
+        "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "keep_tp_graph",
+        "state_values", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "gelu", "assumed",
         "random_streams", "recompute", "in_place",
-        "partition", "schedule", "lower", "prove", "compile"]
-    assert all(hasattr(Compiled, product) or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)
+        "partition", "schedule", "lower", "prove", "compile", "expected_state"]
+    assert all(product is None or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)
 
 
 def test_every_product_lands_in_the_record_and_the_trace_stays_untouched():
@@ -45,8 +47,9 @@ def test_a_pipelined_compile_proves_its_program():
 
 def test_bad_input_keeps_its_type_and_names_the_stage():
     model, args, kwargs = models.build("gpt")  # 4 heads
-    with pytest.raises(ValueError, match=r"(?s)cannot split .* over t=3.*\(in fxpar compiler stage 'analyze', "
-                                         r"after trace, canonicalize\)"):
+    with pytest.raises(ValueError, match=r"(?s)cannot split .* over t=3.*\(in fxpar compiler stage "
+                                         r"'check_divisible', after trace, working_copy, merge_aliases, drop_asserts, "
+                                         r"view_as, cross_entropy, gemm_forms, analyze, vocab\)"):
         compile_model(model, args, kwargs, Target(TPComm(0, 3)))
     with pytest.raises(ValueError, match=r"cannot cut 2 layers into p\*v = 4 chunks(?s:.*)stage 'partition'"):
         compile_model(model, args, kwargs, Target(TPComm(0, 1), pp=2, pipelined=True),
@@ -61,3 +64,19 @@ def test_an_internal_failure_is_a_pass_error_naming_the_stage():
     c = Compiled(model, args, kwargs, Target(TPComm(0, 1)), Config())
     with pytest.raises(PassError, match=r"stage 'broken' failed \(after trace\): KeyError: 'no such node'"):
         run_stages(c, STAGES[:1] + (("broken", "gm", broken),))
+    with pytest.raises(PassError, match=r"stage 'lost' failed \(after trace\): TypeError: a graph stage returned "
+                                        r"NoneType, not a GraphModule"):
+        run_stages(Compiled(model, args, kwargs, Target(TPComm(0, 1)), Config()),
+                   STAGES[:1] + (("lost", "gm", lambda c: None),))
+
+
+def test_dump_dir_writes_every_graph_stage_and_its_diff(tmp_path):
+    model, args, kwargs = models.build("gpt")
+    c = compile_model(model, args, kwargs, Target(TPComm(0, 2)), Config(dump_dir=str(tmp_path)))
+    written = sorted(p.name for p in (tmp_path / "rank0").iterdir())
+    graph_stages = [name for name, product, _ in STAGES if product == "gm"]
+    assert [w.split("_", 1)[1] for w in written if w.endswith(".py")] == [f"{n}.py" for n in graph_stages]
+    tp = next(p for p in (tmp_path / "rank0").iterdir() if p.name.endswith("_tensor_parallel.diff")).read_text()
+    assert "+    tp_g_0 = self.tp_g_0(" in tp and "-" in tp  # what the rewrite inserted, against the graph before
+    last = [w for w in written if w.endswith(".py")][-1]
+    assert (tmp_path / "rank0" / last).read_text() == c.gm.code  # the graph the last graph stage left
