@@ -124,7 +124,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     items.update(rng)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
-    pm._unloaded.clear()  # every key this rank holds was in the checkpoint (_check_keys)
+    pm.weights.mark_loaded()  # every key this rank holds was in the checkpoint (_check_keys)
     if optimizer is not None:
         set_optimizer_tensors(pm, optimizer, targets)
         _set_hyper(path, optimizer, manifest["optimizer"])
@@ -146,12 +146,12 @@ def latest(root: str | os.PathLike) -> str | None:
 def layout_of(pm) -> dict:
     g = getattr(pm, "groups", None)
     return {"tp": pm.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1,
-            "vpp": pm._programs.first.config.virtual_stages}
+            "vpp": pm.config.virtual_stages}
 
 
 def model_items(pm) -> dict[str, Chunked]:
     """model/<key> -> this rank's tensor of every key it holds, tied keys included."""
-    return {f"model/{k}": Chunked.of(pm, k) for k in pm._keys if k in pm._slots}
+    return {f"model/{k}": Chunked.of(pm, k) for k in pm.weights.held_keys()}
 
 
 def optimizer_items(tensors: dict[str, dict[str, torch.Tensor]], pm) -> dict[str, Chunked]:
@@ -310,19 +310,20 @@ def read_manifest(path: str) -> dict:
 
 
 def _check_keys(path: str, pm, saved: dict) -> None:
-    mine = [k for k in pm._keys if k in pm._slots]
+    mine = pm.weights.held_keys()
     missing = [k for k in mine if f"model/{k}" not in saved]
     if missing:
         raise ValueError(f"fxpar.load: {path} has no {missing[0]}" + (f" (nor {len(missing) - 1} more keys)" if
                          len(missing) > 1 else "") + ": it was saved from another model")
-    extra = sorted(set(f[len("model/"):] for f in saved if f.startswith("model/")) - set(pm._keys))
+    extra = sorted(set(f[len("model/"):] for f in saved if f.startswith("model/")) - set(pm.weights.keys))
     if extra:
         raise ValueError(f"fxpar.load: {path} holds {extra[0]}" + (f" (and {len(extra) - 1} more keys)" if
                          len(extra) > 1 else "") + ", which the model does not have: it was saved from another model")
     for k in mine:
         got = tuple(saved[f"model/{k}"].size)
-        if got != tuple(pm._shapes[k]):
-            raise ValueError(f"fxpar.load: {path} holds {k} of shape {got}; the model's is {tuple(pm._shapes[k])}")
+        if got != tuple(pm.weights.shapes[k]):
+            raise ValueError(f"fxpar.load: {path} holds {k} of shape {got}; the model's is "
+                             f"{tuple(pm.weights.shapes[k])}")
 
 
 def _write_json(file: str, value: dict) -> None:

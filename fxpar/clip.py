@@ -32,9 +32,9 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     norm_type = float(norm_type)
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"fxpar clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    zero = pm.__dict__.get("_zero")  # the distributed optimizer: this rank's reduce-scattered pieces
+    zero = pm.zero_optimizer  # the distributed optimizer: this rank's reduce-scattered pieces
     grads = zero.grads() if zero is not None else \
-        {k: pm._grads.get(t) for k, t in pm.held().items() if t.requires_grad and pm._grads.get(t) is not None}
+        {k: g for k, t in pm.held().items() if t.requires_grad and (g := pm.weights.grads.get(t)) is not None}
     if not grads:
         raise RuntimeError("fxpar clip_grad_norm_: no gradients to clip on this rank. Fix: call it after pm.step() "
                            "(or a backward of pm(x)), before the optimizer's step")

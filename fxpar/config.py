@@ -21,7 +21,7 @@ class Config:
     recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
-    dump_dir: str | None = None  # write each graph stage's graph and its diff to the one before here (fxpar/compiler.py)
+    dump_dir: str | None = None  # write each graph stage's graph, and its diff, here (fxpar/compiler.py)
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
     seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
     check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)

@@ -25,7 +25,7 @@ from fxpar.passes.plan import Plan, WeightShard, make_plan
 from fxpar.precision import Grads, LossScaler
 from fxpar.programs import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
-from fxpar.weights import (LiveState, check_state, from_model_spelling, has_state_hooks,
+from fxpar.weights import (RankWeights, check_state, from_model_spelling, has_state_hooks,
                            load_full_or_local, tensor_keys, to_model_spelling)
 
 
@@ -50,20 +50,19 @@ class ParallelModule(nn.Module):
         self.__dict__["streams"] = compiled.target.streams
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
-        self._aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
-        self._keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
-        self._shapes = {k: tuple(originals[k].shape) for k in self._keys}  # global shapes
+        aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
+        keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
         self.__dict__["_spelling"] = model if has_state_hooks(model) else None  # whose hooks spell the state
-        self.specs = {self._aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
-        owned = None if used_keys is None else {self._aliases[k] for k in used_keys}
+        specs = {aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
+        owned = None if used_keys is None else {aliases[k] for k in used_keys}
         slots, unloaded = {}, set()
-        for key, reg in self._aliases.items():
+        for key, reg in aliases.items():
             if key != reg or (owned is not None and key not in owned):
                 continue
             tensor = originals[key]
             local = tensor.detach()
-            if key in self.specs:
-                local = local_shard(local, self.specs[key], self.comm.rank, self.comm.size)
+            if key in specs:
+                local = local_shard(local, specs[key], self.comm.rank, self.comm.size)
             if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
                 local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
                 unloaded.add(key)
@@ -71,15 +70,15 @@ class ParallelModule(nn.Module):
             if isinstance(tensor, nn.Parameter):
                 holder.register_parameter(leaf, nn.Parameter(local.clone(), requires_grad=tensor.requires_grad))
             else:
-                holder.register_buffer(leaf, local.clone(), persistent=key in self._keys)
+                holder.register_buffer(leaf, local.clone(), persistent=key in keys)
             slots[key] = (holder, leaf)
-        self._slots = {key: slots[reg] for key, reg in self._aliases.items() if reg in slots}
-        self._live = LiveState(self._slots)
-        self.__dict__["_unloaded"] = unloaded  # keys built on meta that no load has filled yet
+        self.__dict__["weights"] = RankWeights(
+            tuple(keys), aliases, {k: tuple(originals[k].shape) for k in keys}, specs,
+            {key: slots[reg] for key, reg in aliases.items() if reg in slots}, unloaded)
         self.train(model.training)
         self.__dict__["replica_groups"] = _replica_groups(mesh)
         mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/precision.py
-        self.__dict__["_grads"] = Grads(list(trainable(self).values()), main=mp is not None)
+        self.weights.grads = Grads(list(trainable(self).values()), main=mp is not None)
         if mp is not None and mp.loss_scale is not None:
             device = next((t.device for t in self.held().values()), torch.device("cpu"))
             self.__dict__["_scaler"] = LossScaler(mp.loss_scale, device)
@@ -87,6 +86,31 @@ class ParallelModule(nn.Module):
         self.__dict__["_planned"] = compiled  # the program pm.plan describes
 
     # ---- programs -----------------------------------------------------------------------------------------------
+    @property
+    def specs(self) -> dict:
+        """Registered key -> how its tensor is sharded over tp (absent: replicated): pm.weights.specs."""
+        return self.weights.specs
+
+    @property
+    def config(self):
+        """The fxpar.Config this executable was compiled with."""
+        return self._programs.first.config
+
+    @property
+    def programs(self) -> Programs:
+        """The compiled programs, by mode and non-tensor arguments (fxpar/programs.py)."""
+        return self._programs
+
+    @property
+    def zero_optimizer(self):
+        """Config(zero=1): the distributed optimizer pm.optimizer made (fxpar/zero.py), or None."""
+        return self.__dict__.get("_zero")
+
+    @property
+    def scaler(self):
+        """fp16's loss scaler (fxpar/precision.py LossScaler), or None."""
+        return self.__dict__.get("_scaler")
+
     @property
     def compiled(self) -> Compiled:
         """The program for the current mode and the traced example's arguments."""
@@ -105,7 +129,7 @@ class ParallelModule(nn.Module):
     def program_for(self, flat: list, with_loss: bool = False) -> Compiled:
         """The program for the current mode and these flat inputs: the model's own call, or (with_loss) the loss
         traced with the model, whose inputs end with the target's ([Note: the loss is traced] in fxpar/trace.py)."""
-        return self._programs.get(self.training, flat, self._live, self._buffer_values, with_loss)
+        return self._programs.get(self.training, flat, self.weights.live, self._buffer_values, with_loss)
 
     def make_plan(self, program: Compiled) -> Plan:
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
@@ -115,18 +139,20 @@ class ParallelModule(nn.Module):
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
-        return {k: holder._buffers[leaf] for k, (holder, leaf) in self._slots.items() if leaf in holder._buffers}
+        return {k: holder._buffers[leaf] for k, (holder, leaf) in self.weights.slots.items()
+                if leaf in holder._buffers}
 
     def check_weights(self, program: Compiled, chunks=None) -> None:
         """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
         `chunks`, or all of them), or if a weight built on the meta device was never loaded."""
         self.check_loaded()
         for chunk in program.partition.chunks if chunks is None else chunks:
-            check_state(self._live, program.expected_state[chunk.index])
+            check_state(self.weights.live, program.expected_state[chunk.index])
 
     def check_loaded(self, what: str = "would run on garbage") -> None:
         """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""
-        unloaded = [k for k in self._keys if self._aliases.get(k) in self._unloaded]
+        w = self.weights
+        unloaded = [k for k in w.keys if w.aliases.get(k) in w.unloaded]
         if unloaded:
             raise RuntimeError(
                 f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
@@ -147,7 +173,7 @@ class ParallelModule(nn.Module):
     def chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
         """The values of `chunk`'s placeholders: this rank's weights, constants, user inputs, received values."""
         constants = (program or self._programs.first).traced.constants
-        return resolve_inputs(chunk.inputs, self._live, constants, flat_user, received)
+        return resolve_inputs(chunk.inputs, self.weights.live, constants, flat_user, received)
 
     def graph_inputs(self, flat_user: list) -> list:
         """The inputs of the whole (unpartitioned) graph of the current program."""
@@ -168,7 +194,7 @@ class ParallelModule(nn.Module):
         """Load the original model's state (full tensors under its keys: each is sharded to this rank) or this
         rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped. The model's
         own spelling of its state (its load pre-hooks: [Note: state-dict hooks] in fxpar/weights.py) is taken too."""
-        if self._spelling is not None and not set(state_dict) <= set(self._aliases):
+        if self._spelling is not None and not set(state_dict) <= set(self.weights.aliases):
             state_dict = from_model_spelling(self._spelling, state_dict)
         return load_full_or_local(self, state_dict, strict, assign)
 
@@ -179,7 +205,8 @@ class ParallelModule(nn.Module):
 
     def held(self) -> dict[str, torch.Tensor]:
         """Each tensor this rank holds, once, under the key it is registered under (tied keys are one entry)."""
-        return {key: self._live[key] for key in self._keys if key in self._slots and self._aliases[key] == key}
+        w = self.weights
+        return {key: w.live[key] for key in w.held_keys() if w.aliases[key] == key}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """torch.nn.utils.clip_grad_norm_ over the whole (p, t, d) model: every gradient counted once (sharded
@@ -192,7 +219,7 @@ class ParallelModule(nn.Module):
         precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
         group (fxpar/optim.py, fxpar/zero.py). Make it before the first step()."""
         self.check_loaded("would copy garbage into the optimizer's main parameters")
-        config = self._programs.first.config
+        config = self.config
         if not config.zero:
             if config.mixed_precision is None:
                 return optimizer_cls(self.parameters(), **kwargs)
@@ -221,26 +248,20 @@ class ParallelModule(nn.Module):
         """Full tensors under their parameter and buffer keys, tied keys included (collective over the tp group).
 
         On a pipeline stage, only the keys the stage holds."""
-        full = {}
-        for key in self._keys:
-            reg = self._aliases[key]
-            if key not in self._slots:
-                continue
+        full, w = {}, self.weights
+        for key in w.held_keys():
+            reg = w.aliases[key]
             if reg not in full:
-                local = self._live[key].detach()
-                spec = self.specs.get(reg)
+                local = w.live[key].detach()
+                spec = w.specs.get(reg)
                 full[reg] = unshard(self.comm.all_gather(local), spec) if spec else local.clone()
             full[key] = full[reg]
         return full
 
     def weight_shards(self) -> list[WeightShard]:
-        rows = []
-        for key in self._keys:
-            if key not in self._slots:
-                continue  # held by another pipeline stage
-            spec = self.specs.get(self._aliases[key])
-            rows.append(WeightShard(key, self._shapes[key], str(spec) if spec else "R", tuple(self._live[key].shape)))
-        return rows
+        w = self.weights
+        return [WeightShard(key, w.shapes[key], str(w.spec(key)) if w.spec(key) else "R", tuple(w.live[key].shape))
+                for key in w.held_keys()]  # another pipeline stage's keys are its own
 
 
 def _replica_groups(mesh) -> dict:

@@ -70,7 +70,7 @@ class PipelineModule(ParallelModule):
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
             used |= set(tensor_keys(model)) - read
         super().__init__(model, compiled, used_keys=used, mesh=mesh)
-        self.__dict__.update(groups=groups, loss_fn=loss_fn, config=compiled.config,
+        self.__dict__.update(groups=groups, loss_fn=loss_fn,
                              scatter_gather=scatter_gather_wanted(compiled.config.scatter_gather, mesh))
         self._programs.loss_fn = loss_fn
         self._tied = self._tied_groups(mesh, partition)
@@ -97,7 +97,7 @@ class PipelineModule(ParallelModule):
         for c in partition.chunks:
             for gi in c.inputs:
                 if gi.kind == PARAMETER:
-                    owners.setdefault(self._aliases[gi.key], set()).add(c.index % p)
+                    owners.setdefault(self.weights.aliases[gi.key], set()).add(c.index % p)
         out = {}
         for key, stages in sorted(owners.items()):
             if len(stages) < 2:
@@ -179,23 +179,23 @@ class PipelineModule(ParallelModule):
     def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
         self.stats = Stats()
         p2p = P2P(self.groups, stage.program.program, self.scatter_gather, self.stats)
-        zero = self.__dict__.get("_zero")
+        zero = self.zero_optimizer
         if self.config.zero and zero is None:
             raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
                              "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
                              "...) before the first step.")
-        mp, scaler = self.config.mixed_precision, self.__dict__.get("_scaler")
-        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self._grads,
+        mp, scaler = self.config.mixed_precision, self.scaler
+        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self.weights.grads,
                               zero, mp.reduce_dtype if mp is not None else None)
         loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
                        scaler.scale if scaler is not None else None).run(micro, targets)
         for key, group in self._tied.items():
-            grad = self._grads.get(self._live[key]) if zero is None else zero.main[key].grad
+            grad = self.weights.grads.get(self.weights.live[key]) if zero is None else zero.main[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=group)
         if scaler is not None:  # unscale the main gradients; an overflow anywhere skips the optimizer's step
             grads = zero.grads().values() if zero is not None else \
-                [self._grads.get(p) for p in trainable(self).values()]
+                [self.weights.grads.get(p) for p in trainable(self).values()]
             scaler.unscale([g for g in grads if g is not None])
         loss = loss.clone()
         if self.groups.pp > 1:
@@ -214,8 +214,8 @@ class PipelineModule(ParallelModule):
     def _chunk_params(self, stage: Stage) -> dict[int, list]:
         out = {}
         for c in stage.chunks.values():
-            keys = {self._aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
-            out[c.index] = [self._live[k] for k in sorted(keys) if self._live[k].requires_grad]
+            keys = {self.weights.aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
+            out[c.index] = [self.weights.live[k] for k in sorted(keys) if self.weights.live[k].requires_grad]
         return out
 
     @torch.no_grad()
@@ -230,5 +230,5 @@ class PipelineModule(ParallelModule):
         for part in parts:
             for k, v in part.items():
                 full.setdefault(k, v)
-        return {k: full[k] for k in self._keys}
+        return {k: full[k] for k in self.weights.keys}
 

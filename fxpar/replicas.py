@@ -62,7 +62,7 @@ def check_replicas(pm, grads: bool = False) -> None:
     """Raise ReplicaError unless every replicated weight (and, with grads, its gradient) is bitwise identical on
     every rank that holds a replica of it. A collective over the tp and dp groups and the tied-weight groups."""
     held = pm.held()
-    checks = [("weight", held)] + ([("gradient of", _grads(held, pm._grads))] if grads else [])
+    checks = [("weight", held)] + ([("gradient of", _grads(held, pm.weights.grads))] if grads else [])
     for kind, tensors in checks:
         replicated = [(k, t) for k, t in tensors.items() if k not in pm.specs]
         _compare(replicated, pm.replica_groups.get("tp"), kind)

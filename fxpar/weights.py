@@ -8,6 +8,7 @@ says what to do when they differ.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from fxpar.passes.meta import STATE_KINDS, input_of, placeholders
 from fxpar.passes.placements import Shard, local_shard
+from fxpar.precision import Grads
 
 
 class LiveState(Mapping):
@@ -33,6 +35,48 @@ class LiveState(Mapping):
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+@dataclass
+class RankWeights:
+    """This rank's weights, in one typed home (`pm.weights`): what checkpoints, loading, optimizers, clipping and the
+    replica check read, instead of the executable's own attributes.
+
+    keys      the model's persistent state keys, in its order ([Note: state-dict hooks])
+    aliases   every parameter and buffer key -> the key its tensor is registered under (tied keys share one)
+    shapes    key -> the global shape
+    specs     registered key -> its tensor-parallel sharding (absent: replicated)
+    slots     key -> (holder module, attribute) of each tensor this rank holds (another stage's keys are absent)
+    live      key -> the tensor its holder holds now
+    unloaded  registered keys built on the meta device that no load has filled yet
+    grads     where each trainable parameter's gradient is (its .grad, or an fp32 main gradient)
+    """
+
+    keys: tuple[str, ...]
+    aliases: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    specs: dict[str, Shard]
+    slots: dict[str, tuple[nn.Module, str]]
+    unloaded: set[str] = field(default_factory=set)
+    grads: Grads | None = None
+
+    def __post_init__(self):
+        self.live = LiveState(self.slots)
+
+    def held_keys(self) -> list[str]:
+        """The state keys this rank holds, in the model's order (tied keys included)."""
+        return [k for k in self.keys if k in self.slots]
+
+    def spec(self, key: str) -> Shard | None:
+        """How key's tensor is sharded over tp (None: replicated)."""
+        return self.specs.get(self.aliases[key])
+
+    def mark_loaded(self, key: str | None = None) -> None:
+        """key's tensor (every tensor, with None) now holds loaded values."""
+        if key is None:
+            self.unloaded.clear()
+        else:
+            self.unloaded.discard(self.aliases[key])
 
 
 def expected_state(chunks) -> dict[str, torch.Tensor]:
@@ -68,22 +112,22 @@ def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool,
     local shape are taken as they are. Keys another pipeline stage holds are skipped."""
     from torch.nn.modules.module import _IncompatibleKeys
 
-    known = set(pm._aliases)
+    known = set(pm.weights.aliases)
     unexpected = [k for k in state_dict if k not in known]
-    missing = [k for k in pm._keys if k in pm._slots and k not in state_dict]
+    missing = [k for k in pm.weights.keys if k in pm.weights.slots and k not in state_dict]
     if strict and (unexpected or missing):
         raise RuntimeError(f"fxpar: load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     done = set()
     with torch.no_grad():
         for key, value in state_dict.items():
-            if key not in pm._slots or pm._aliases[key] in done:
+            if key not in pm.weights.slots or pm.weights.aliases[key] in done:
                 continue  # another stage's, or a tied alias already loaded
-            done.add(pm._aliases[key])
-            pm._unloaded.discard(pm._aliases[key])
-            local = _local_value(key, value, pm.specs.get(pm._aliases[key]), pm._live[key], pm.comm)
-            holder, leaf = pm._slots[key]
-            current = pm._live[key]
+            done.add(pm.weights.aliases[key])
+            pm.weights.mark_loaded(key)
+            local = _local_value(key, value, pm.weights.spec(key), pm.weights.live[key], pm.comm)
+            holder, leaf = pm.weights.slots[key]
+            current = pm.weights.live[key]
             if assign:
                 if isinstance(current, nn.Parameter):
                     holder._parameters[leaf] = nn.Parameter(local, requires_grad=current.requires_grad)

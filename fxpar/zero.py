@@ -53,7 +53,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 "Fix: use one of those, or Config(zero=0)."
             )
         g = pm.groups
-        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm._grads
+        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.weights.grads
         self.main = {k: torch.nn.Parameter(pieces(p.detach().reshape(-1).float(), self.d)[self.r].clone())
                      for k, p in trainable(pm).items()}
         super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)

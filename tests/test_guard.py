@@ -56,7 +56,8 @@ def test_a_user_file_under_a_folder_named_fxpar_is_the_users(tmp_path, monkeypat
 @pytest.mark.slow
 def test_the_suite_passes_from_a_clone_in_a_folder_named_fxpar(tmp_path):
     """The refusals that name the user's line, run by pytest from a copy of the repository in tmp/fxpar."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True)
     clone = tmp_path / "fxpar"
     for name in filter(None, files.stdout.split("\0")):
         if (ROOT / name).is_file():

@@ -121,3 +121,23 @@ def test_the_passes_index_names_every_module():
     index = (ROOT / "passes" / "__init__.py").read_text()
     missing = [p.name for p in _sources("passes") if p.stem != "__init__" and p.name not in index]
     assert not missing, f"passes/__init__.py's docstring does not list {missing}"
+
+
+def test_no_module_reads_the_executables_private_attributes():
+    """A rank's weights live in pm.weights (fxpar/weights.py RankWeights); the program cache, config, loss scaler
+    and distributed optimizer are properties. Only the executable's own classes touch its private attributes."""
+    own = {"executable.py", "pipeline.py"}
+    found = []
+    for path in _sources("fxpar"):
+        if path.name in own:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                holder = node.value
+                name = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", "")
+                if name == "pm":
+                    found.append(f"fxpar/{path.name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "__dict__" and getattr(node.value.value, "id", "") == "pm":
+                found.append(f"fxpar/{path.name}:{node.lineno} pm.__dict__[...]")
+    assert not found, found
