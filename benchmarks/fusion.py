@@ -45,7 +45,7 @@ from fxpar.cost.memory import activation_bytes_per_layer  # noqa: E402
 from fxpar.cost.shape import ModelShape  # noqa: E402
 from fxpar.measure import saved_activation_bytes  # noqa: E402
 from fxpar.passes.fusion import fusion_pass  # noqa: E402
-from fxpar.passes.ops import TPComm  # noqa: E402
+from fxpar.passes.collectives import TPComm  # noqa: E402
 from fxpar.passes.recompute import recompute_pass  # noqa: E402
 
 VARIANTS = ("unfused", "fused", "unfused/selective", "unfused/full", "fused/selective", "fused/full")

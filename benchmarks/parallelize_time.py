@@ -44,7 +44,7 @@ def time_build_once(model, ids, t: int = 2) -> dict:
     from fxpar.api import build
     from fxpar.compiler import STAGES, Compiled, Target, run_stages
     from fxpar.config import Config
-    from fxpar.passes.ops import TPComm
+    from fxpar.passes.collectives import TPComm
 
     comm = TPComm(rank=0, size=t)
     record = Compiled(model, (ids,), {}, Target(comm), Config())

@@ -15,7 +15,7 @@ from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
 from fxpar.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.rng import RandomStreams
 from fxpar.pipeline import PipelineModule
 

@@ -112,7 +112,7 @@ class CheckResult:
 
 def unpack(out, spec: str):
     """(model, args, kwargs, loss) from a factory's (model, args[, kwargs[, loss]])."""
-    from fxpar.target import unpack_target
+    from fxpar.cli_target import unpack_target
 
     if isinstance(out, tuple) and len(out) == 4:
         *out, loss = out
@@ -223,7 +223,7 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
     """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
     import fxpar
     from fxpar.cost.pipeline import default_schedule
-    from fxpar.target import load_factory
+    from fxpar.cli_target import load_factory
 
     factory = load_factory(spec.target)
     torch.manual_seed(spec.seed)

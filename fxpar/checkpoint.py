@@ -4,7 +4,7 @@
     extra = fxpar.load("ckpt/step-100", pm, optimizer=opt)        # any other layout of the same model
 
 What a checkpoint holds, each rank writing only its own shards (as DCP chunks of the full tensors:
-fxpar/chunks.py), under the original model's keys with their full shapes, in the original layout
+fxpar/checkpoint_chunks.py), under the original model's keys with their full shapes, in the original layout
 (head-interleaved projections un-interleaved):
     model/<key>            every state_dict key of the model, tied keys included (the model's own state_dict)
     optim/<key>/main       the fp32 main parameter (mixed precision, or the distributed optimizer's pieces joined)
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fxpar.chunks import Chunked, LoadPlanner, SafeReader, SavePlanner, barrier, is_leader
+from fxpar.checkpoint_chunks import Chunked, LoadPlanner, SafeReader, SavePlanner, barrier, is_leader
 
 MANIFEST = "fxpar.json"
 FORMAT = "fxpar-checkpoint-1"

@@ -67,7 +67,7 @@ def build_shape(args) -> ModelShape:
     """ModelShape from TARGET (traced on meta) and/or the shape flags; flags win."""
     values = {}
     if args.target:
-        from fxpar.plan_target import shape_from_target  # imports torch.export only when needed
+        from fxpar.model_shape import shape_from_target  # imports torch.export only when needed
         traced = shape_from_target(args.target, args.batch)
         values = {"layers": traced.layers, "hidden": traced.hidden, "heads": traced.heads, "seq": traced.seq,
                   "vocab": traced.vocab, "ffn": traced.ffn_hidden}

@@ -23,11 +23,11 @@ from fxpar.config import Config
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.pipeline import default_schedule
 from fxpar.passes.meta import module_path
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.meta import FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind
 from fxpar.passes.placements import Partial, Shard
 from fxpar.passes.proofs import format_program
-from fxpar.target import load_target
+from fxpar.cli_target import load_target
 
 FORMATS = ("table", "code", "dot")
 COLORS = {"collective": "tomato", "recomputed region": "khaki", "fused op": "palegreen",

@@ -35,7 +35,7 @@ from fxpar.passes.local_shapes import input_device, local_shapes_pass, meta_stat
 from fxpar.passes.lower_schedule import Program, lower_program
 from fxpar.passes.merge_comm import merge_comm_pass
 from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.placements import Shard
 from fxpar.passes.proofs import prove
@@ -45,7 +45,7 @@ from fxpar.passes.rng import RandomStreams, random_streams_pass
 from fxpar.passes.schedules import build_schedule
 from fxpar.passes.simulate import SimResult
 from fxpar.passes.tp import tensor_parallel_pass
-from fxpar.passes.vocab import vocab_analysis
+from fxpar.passes.vocab_analysis import vocab_analysis
 from fxpar.trace import TraceError, Traced, trace
 from fxpar.weights import expected_state
 
@@ -256,7 +256,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
     ("gemm_forms", "gm", lambda c: gemm_forms_pass(c.gm)),  # every weight contraction as linear / mm / addmm
     ("analyze", "analysis", _analyze),  # placements and regions of column- then row-parallel GEMMs
-    ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/vocab.py)
+    ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/vocab_analysis.py)
     ("check_divisible", None, _check_divisible),  # every sharded size divides by t, or a clear error
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("merge_comm", "gm", _merge_comm),  # g moved past linear ops, two partial sums one g; f's of one value one f

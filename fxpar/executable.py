@@ -4,7 +4,7 @@ Its parameters are registered under the original model's names (`transformer.h.0
 local shards, so any torch.optim optimizer works on them. Tied parameters are one Parameter here too. Every call
 reads the weights the module holds now (fxpar/weights.py), resolves the graph's inputs from their GraphInput
 records ([Note: one resolver] in passes/meta.py), runs the program compiled for the current mode and non-tensor
-arguments ([Note: the program includes its context] in fxpar/programs.py), and restores grad mode, autocast and the
+arguments ([Note: the program includes its context] in fxpar/program_cache.py), and restores grad mode, autocast and the
 random generators if it raises.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from fxpar.compiler import Compiled, canonical_keys
 from fxpar.guard import preserve_global_state
 from fxpar.optim import MainParamsOptimizer, trainable
 from fxpar.passes.meta import resolve_inputs
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.placements import local_shard, unshard
 from fxpar.passes.plan import Plan, WeightShard, make_plan
 from fxpar.precision import Grads, LossScaler
-from fxpar.programs import Programs, describe_mismatch
+from fxpar.program_cache import Programs, describe_mismatch
 from fxpar.replicas import check_replicas
 from fxpar.weights import (RankWeights, check_state, from_model_spelling, has_state_hooks,
                            load_full_or_local, tensor_keys, to_model_spelling)
@@ -98,7 +98,7 @@ class ParallelModule(nn.Module):
 
     @property
     def programs(self) -> Programs:
-        """The compiled programs, by mode and non-tensor arguments (fxpar/programs.py)."""
+        """The compiled programs, by mode and non-tensor arguments (fxpar/program_cache.py)."""
         return self._programs
 
     @property

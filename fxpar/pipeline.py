@@ -5,7 +5,7 @@ runs the rank's lowered program (fxpar.runtime interprets it), all-reduces the g
 between stages (tied embeddings) and over the dp group, and returns the batch's mean loss on every rank. The
 optimizer then steps on `pm.parameters()`: only after the flush, so training stays strictly synchronous.
 Everything here comes from the compiler's record: the chunks, the program and its proof (fxpar/compiler.py), one
-record per mode and non-tensor arguments ([Note: the program includes its context] in fxpar/programs.py), all cut
+record per mode and non-tensor arguments ([Note: the program includes its context] in fxpar/program_cache.py), all cut
 into the same chunks, so this stage holds the same weights whichever runs.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fxpar.guard import preserve_global_state
 from fxpar.mesh import scatter_gather_wanted
 from fxpar.optim import trainable
 from fxpar.passes.meta import PARAMETER
-from fxpar.programs import describe_mismatch
+from fxpar.program_cache import describe_mismatch
 from fxpar.runtime import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
 from fxpar.weights import tensor_keys
 

@@ -4,7 +4,7 @@
     fxpar.save("export-dir", pm, format="safetensors")            # full tensors, Hugging Face's file layout
 
 Both go through torch.distributed.checkpoint's own Hugging Face storage (torch/distributed/checkpoint/hf_storage.py)
-with fxpar's chunks (fxpar/chunks.py), under the model's state_dict keys, which are a Hugging Face model's
+with fxpar's chunks (fxpar/checkpoint_chunks.py), under the model's state_dict keys, which are a Hugging Face model's
 checkpoint keys:
     load   every rank reads only the slices it owns (safetensors `get_slice`), whatever layout wrote the files;
            a key the files leave out because it is tied to another (`lm_head.weight` = `model.embed_tokens.weight`)
@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from fxpar.chunks import Chunked, HFReader, LoadPlanner, SavePlanner, barrier, is_leader
+from fxpar.checkpoint_chunks import Chunked, HFReader, LoadPlanner, SavePlanner, barrier, is_leader
 
 SUFFIX = ".safetensors"
 

@@ -6,24 +6,24 @@ fxpar/__init__.py). Imports only point down: fxpar -> passes -> cost; nothing he
 
     meta.py            typed node metadata: GraphInput records, placement / collective / fusion tags, one resolver
     placements.py      Replicate, Partial, Shard (with the head-interleaved layout)
-    storage.py         which values may share storage and which ops write into it (from the ops' schemas)
+    aliasing.py        which values may share storage and which ops write into it (from the ops' schemas)
     op_families.py     the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...)
     canonicalize.py, gemm_forms.py, grouped_gemm.py
                        before the analysis: one placeholder per tensor, every weight contraction as linear / mm /
                        addmm, mixture-of-experts GEMMs as fxpar's grouped ops
-    rules.py, rules_loss.py, rule_table.py, reshape.py, fused.py
+    rules.py, rules_loss.py, rule_table.py, reshape.py, fused_projections.py
                        one sharding rule per ATen op family; the losses over a vocabulary-sharded dim; the table of
                        rules by op (rule_for); views; fused projections (Q|K|V, gate|up)
-    analysis.py, vocab.py, plan.py, comm_audit.py
+    analysis.py, vocab_analysis.py, plan.py, comm_audit.py
                        regions of column- then row-parallel GEMMs, the vocab-parallel embedding and head; the plan,
                        with each layer's collectives against Megatron's 2 + 2
-    tp.py, ops.py, vocab_ops.py
+    tp.py, collectives.py, vocab_kernels.py
                        the tensor-parallel rewrite and the collectives it inserts (f, g, gather, scatter); the
                        vocab-parallel losses' kernels
     merge_comm.py      fewer collectives: partial sums that meet share one all-reduce
     rng.py             random streams with Megatron's semantics, and the pass that puts each random op on one
     local_shapes.py    this rank's shapes on every node
-    fusion.py (fuse_attention.py, fuse_dropout.py, fuse_gelu.py, fusion_match.py, fused_ops.py)
+    fusion.py (fuse_attention.py, fuse_dropout.py, fuse_gelu.py, fusion_match.py, fusion_kernels.py)
                        attention -> SDPA, bias+dropout+add, bias+GeLU
     recompute.py       activation recomputation (full, selective)
     in_place.py        f and g all-reduce in place where nothing else reads the tensor

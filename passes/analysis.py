@@ -6,13 +6,13 @@ Glossary
              blocks are regions; each costs one all-reduce forward (g) and one backward (f).
     seed     a GEMM with a weight parameter whose input is replicated; seeds that read the same X form one group.
 
-Pattern: for each group of seeds, in graph order, shard the seeds column-wise (their output features, with the
-parts found by fused.py), and propagate that placement forward through the users with the rules of rules.py. A
-GEMM whose weight parameter contracts the sharded dim becomes row-parallel and ends the path. If every path ends
-that way, the region is proven; if any op refuses, we try the largest subset of the seeds that works (grouped-query
-k/v projections whose heads t does not divide stay replicated; their heads are scattered into the region), and
-otherwise leave the group replicated and record why. Why it is safe: every rule is exact for the placements it
-accepts, and a region's only exits are row-parallel GEMMs followed by g.
+Pattern: for each group of seeds, in graph order, shard the seeds column-wise (their output features, with the parts
+found by fused_projections.py), and propagate that placement forward through the users with the rules of rules.py. A
+GEMM whose weight parameter contracts the sharded dim becomes row-parallel and ends the path. If every path ends that
+way, the region is proven; if any op refuses, we try the largest subset of the seeds that works (grouped-query k/v
+projections whose heads t does not divide stay replicated; their heads are scattered into the region), and otherwise
+leave the group replicated and record why. Why it is safe: every rule is exact for the placements it accepts, and a
+region's only exits are row-parallel GEMMs followed by g.
 
 [Note: one decision per node]
     A node's placement is decided at most once. Once a region is proven, its nodes and the inputs it read as
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from .fused import fused_parts
+from .fused_projections import fused_parts
 from .meta import USER, input_of, module_path
 from .op_families import LAYOUT, ROW_VIEWS
 from .placements import Placement, Replicate, Shard, plain_shard

@@ -17,7 +17,7 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from . import fused_ops
+from . import fusion_kernels
 from .fusion_match import (const_is, done, erase, is_call, keeps_last_dim, match_biased, ndim, new_node, only_user,
                            scalar_operand, split_bias, users_of)
 from .op_families import VIEWS
@@ -127,13 +127,13 @@ def bias_gelu_pass(gm: GraphModule) -> GraphModule:
         y = split_bias(gm, m)
         dead = gelu_nodes + ([m.gemm] if m.kind == "add" else [])
         if consumer is None:
-            fused = new_node(gm, node, fused_ops.bias_gelu, (y, m.bias, approximate), {}, node, "bias_gelu",
+            fused = new_node(gm, node, fusion_kernels.bias_gelu, (y, m.bias, approximate), {}, node, "bias_gelu",
                          "bias_gelu")
             node.replace_all_uses_with(fused)
         else:
             gemm, view, how = consumer
-            fused = new_node(gm, gemm, fused_ops.bias_gelu_linear, (y, m.bias), dict(approximate=approximate, **how),
-                         gemm, "bias_gelu_linear", "bias_gelu_linear")
+            fused = new_node(gm, gemm, fusion_kernels.bias_gelu_linear, (y, m.bias),
+                             dict(approximate=approximate, **how), gemm, "bias_gelu_linear", "bias_gelu_linear")
             gemm.replace_all_uses_with(fused)
             dead += [gemm] + ([view] if view is not None else [])
         erase(gm, dead)

@@ -3,8 +3,8 @@
 The traced graph's meta["val"] holds global shapes, and the nodes the tensor-parallel pass inserted hold none. This
 pass builds one fake tensor per placeholder (the weights that `specs` shards get their local shape, everything else
 keeps its traced shape and dtype) and propagates them through the rewritten graph with FakeTensorProp: the
-collectives compute shapes only on fake tensors (passes/ops.py), so nothing is communicated. Afterwards every node's
-meta["val"] is the fake tensor this rank computes, and no later stage re-propagates.
+collectives compute shapes only on fake tensors (passes/collectives.py), so nothing is communicated. Afterwards
+every node's meta["val"] is the fake tensor this rank computes, and no later stage re-propagates.
 """
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ from torch.fx import GraphModule, Node
 
 from .meta import FXPAR_PLACEMENT, FXPAR_SCALE, comm_kind
 from .op_families import CASTS, LAYOUT
-from .ops import TPComm
+from .collectives import TPComm
 from .placements import Partial, Replicate
-from .storage import Storage, writes
+from .aliasing import Storage, writes
 from .tp import call_comm
 
 aten = torch.ops.aten
@@ -253,7 +253,7 @@ def _hoist_one(gm: GraphModule, f: Node, comm: TPComm) -> Node | None:
 
 def _merge_fs(gm: GraphModule) -> None:
     """Two f's of one value become the first, unless an op between them may write that value's storage ([Note:
-    reads after mutation], passes/tp.py; passes/storage.py says which ops write what)."""
+    reads after mutation], passes/tp.py; passes/aliasing.py says which ops write what)."""
     first: dict[Node, Node] = {}
     storage = Storage()
     for n in list(gm.graph.nodes):

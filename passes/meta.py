@@ -69,7 +69,7 @@ class CommInfo:
     moves: str  # "forward": an activation in forward (g, all-gather); "backward": an activation gradient in
     # backward (f, a scatter's all-gather); "small": a few values per token (statistics, the vocabulary's)
     forward_identity: bool = False  # its forward moves no data (allowed inside a recomputed region)
-    vocab: bool = False  # a vocab-parallel op that replaces the op of the same role (passes/vocab_ops.py)
+    vocab: bool = False  # a vocab-parallel op that replaces the op of the same role (passes/vocab_kernels.py)
 
 
 COMM_TABLE = {

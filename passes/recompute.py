@@ -29,7 +29,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 
 from ..cost.flops import RECOMPUTE_MODES
-from . import fused_ops
+from . import fusion_kernels
 from .layers import Layers, find_layers
 from .meta import FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
 from .rng import streams_in
@@ -40,7 +40,7 @@ _CUT = object()  # a collective: ends any region
 _WORTH = SDPA | SOFTMAX | {  # ops that save activations: a region without one has nothing to recompute
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
     aten.layer_norm.default, aten.native_layer_norm.default, aten.gelu.default, aten.silu.default,
-    aten.relu.default, aten.tanh.default, aten.rsqrt.default, fused_ops.bias_gelu, fused_ops.bias_gelu_linear,
+    aten.relu.default, aten.tanh.default, aten.rsqrt.default, fusion_kernels.bias_gelu, fusion_kernels.bias_gelu_linear,
 }
 
 

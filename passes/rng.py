@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from . import fused_ops
+from . import fusion_kernels
 from .meta import FXPAR_PLACEMENT, FXPAR_RANDOM, copy_meta
 from .placements import Shard
 
@@ -100,7 +100,7 @@ def _draws(n: Node) -> bool:
     """A call that draws random numbers, unless its arguments say it cannot (p = 0, or not training)."""
     if n.op != "call_function":
         return False
-    if n.target is fused_ops.bias_dropout_add:
+    if n.target is fusion_kernels.bias_dropout_add:
         return bool(n.args[4]) and n.args[3] > 0
     tags = getattr(n.target, "tags", ())
     if torch.Tag.nondeterministic_seeded not in tags:

@@ -1,8 +1,8 @@
 """Sharding rules of the losses over a vocabulary-sharded dim: cross-entropy, logsumexp, and the target's gather.
 
-Each is exact as a vocab-parallel op (passes/ops.py): this rank's block of the classes plus an all-reduce of one or
-two values per token, never the logits (Shoeybi et al. 2019, Sec. 3). The dim must be sharded as one plain block per
-rank (the LM head's vocabulary), so that rank r holds the classes [r*V/t, (r+1)*V/t).
+Each is exact as a vocab-parallel op (passes/vocab_kernels.py): this rank's block of the classes plus an all-reduce of
+one or two values per token, never the logits (Shoeybi et al. 2019, Sec. 3). The dim must be sharded as one plain block
+per rank (the LM head's vocabulary), so that rank r holds the classes [r*V/t, (r+1)*V/t).
 """
 from __future__ import annotations
 

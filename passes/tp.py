@@ -32,10 +32,10 @@ from torch.fx import GraphModule, Node
 
 from .analysis import Analysis
 from .meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
-from .ops import CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, TPComm, VocabParallelEmbedding
+from .collectives import CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, TPComm, VocabParallelEmbedding
 from .placements import Partial, Replicate, Shard
 from .rules import Role, arg
-from .vocab_ops import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp
+from .vocab_kernels import VocabParallelCrossEntropy, VocabParallelGather, VocabParallelLogsumexp
 
 R = Replicate()
 COMM_MODULES = {  # each collective's module (what it does: passes/meta.py COMM_TABLE)
@@ -143,7 +143,7 @@ def _reduce_partial(gm: GraphModule, node: Node, comm: TPComm) -> Node:
 
 
 def _vocab_call(gm: GraphModule, node: Node, comm: TPComm, *, role: Role) -> Node:
-    """The same call, to its vocab-parallel module (passes/vocab_ops.py); returns the module's call."""
+    """The same call, to its vocab-parallel module (passes/vocab_kernels.py); returns the module's call."""
     with gm.graph.inserting_before(node):
         op = call_comm(gm, Comm(role), comm, node.args, node.kwargs)
     keep = ("nn_module_stack", "stack_trace", FXPAR_ORIGIN)  # the same value as the node it replaces

@@ -7,8 +7,8 @@ import torch.nn as nn
 
 from fxpar.api import build
 from fxpar.compiler import Target, compile_model
-from fxpar.passes.fused import fused_parts
-from fxpar.passes.ops import TPComm
+from fxpar.passes.fused_projections import fused_parts
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.tp import tensor_parallel_pass
 from fxpar.trace import trace
 from tests import models

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from fxpar.api import build
 from fxpar.passes.comm_audit import per_layer
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from tests import models
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from fxpar.api import build
 from fxpar.passes.meta import comm_kind
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from tests import models
 
 H, HEADS = 16, 4

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fxpar.api import build
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 from fxpar.passes.layers import find_layers
 from fxpar.passes.partition import balance, partition_pass
 from tests import models

@@ -144,7 +144,7 @@ def recompute_matrix(name: str, t: int, **gpt_overrides) -> dict:
     number of checkpointed regions. `gpt_overrides` builds the example GPT with those GPTConfig fields instead."""
     import fxpar
     from fxpar.api import build
-    from fxpar.passes.ops import TPComm
+    from fxpar.passes.collectives import TPComm
 
     if gpt_overrides:
         from gpt import factory

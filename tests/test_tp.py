@@ -9,7 +9,7 @@ from expecttest import TestCase
 
 from fxpar.api import build
 from fxpar.cli_show import placement_text
-from fxpar.passes.ops import TPComm
+from fxpar.passes.collectives import TPComm
 
 H = 8
 

@@ -1,4 +1,4 @@
-"""passes/vocab.py: the token embedding is found by structure (its ids are a model input), not by size."""
+"""passes/vocab_analysis.py: the token embedding is found by structure (its ids are a model input), not by size."""
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,7 @@ sums and concatenations done by the collectives.
 [Note: the loss of sharded logits]
     When the loss is traced with the model (fxpar/trace.py), the logits may flow only into the loss. Then they are
     not gathered: their sharding is propagated with the op rules (views, the fp32 cast, a shift) to the ops that
-    close it, the vocab-parallel cross-entropy, logsumexp and gather (passes/rules_loss.py, vocab_ops.py), which
+    close it, the vocab-parallel cross-entropy, logsumexp and gather (passes/rules_loss.py, vocab_kernels.py), which
     all-reduce per-token values only. If any path cannot be closed so (the logits are also an output, or an op has
     no rule), the head gathers its logits as before and the plan says why.
 """

@@ -1,7 +1,7 @@
 """The vocab-parallel losses: cross-entropy, logsumexp and the target's gather over logits sharded on the classes.
 
-Rank r holds the logits of classes [r*V/t, (r+1)*V/t) (the LM head's block, passes/vocab.py). Each op works on its
-block and all-reduces per-token values only, b*s numbers instead of the b*s*V logits (Shoeybi et al. 2019, Sec. 3):
+Rank r holds the logits of classes [r*V/t, (r+1)*V/t) (the LM head's block, passes/vocab_analysis.py). Each op works on
+its block and all-reduces per-token values only, b*s numbers instead of the b*s*V logits (Shoeybi et al. 2019, Sec. 3):
 
     cross-entropy  max all-reduce, then one sum all-reduce of (sum of exp, target logit, sum of logits) per token;
                    backward is local: softmax - (1 - eps) * onehot - eps / V, times the token's gradient
@@ -10,14 +10,14 @@ block and all-reduces per-token values only, b*s numbers instead of the b*s*V lo
 
 Half-precision logits are computed in fp32 and the results cast back (as ATen's kernels accumulate). Targets
 outside [0, V) that are not ignore_index raise, as the unparallelized loss would (each rank would otherwise see
-another rank's class). On fake or meta tensors they compute shapes only (passes/ops.py).
+another rank's class). On fake or meta tensors they compute shapes only (passes/collectives.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .ops import TPComm, _check_ids, _shape_only, _TPModule
+from .collectives import TPComm, _check_ids, _shape_only, _TPModule
 
 _MEAN, _SUM, _NONE = 1, 2, 0  # ATen's reduction enum (at::Reduction)
 
