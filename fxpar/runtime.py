@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxpar.measure import saved_activation_bytes
 from fxpar.passes.lower_schedule import Program
 from fxpar.passes.placements import Replicate
 from fxpar.passes.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, rank_of_chunk
@@ -48,7 +49,7 @@ class Groups:
 class Stats:
     bytes_sent: dict = field(default_factory=dict)  # (chunk, microbatch, "F"/"B") -> bytes sent
     peak_in_flight: int = 0  # most microbatches holding saved activations at once
-    saved_bytes: dict = field(default_factory=dict)  # (chunk, microbatch) -> saved-tensor bytes
+    saved_bytes: dict = field(default_factory=dict)  # (chunk, microbatch) -> saved activation bytes (fxpar/measure.py)
     events: list = field(default_factory=list)  # (name, start_us, duration_us)
 
 
@@ -190,6 +191,7 @@ class Runtime:
         self.stage, self.actions, self.g = stage, program.actions[groups.pp_rank], groups
         self.p2p, self.buckets, self.stats = p2p, buckets, stats
         self.loss_scale = loss_scale  # fp16: the backward starts from the loss times this ([Note: mixed precision])
+        self.state = [*stage.pm.parameters(), *stage.pm.buffers()]  # not activations (fxpar/measure.py)
         self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.post_receive,
                          SEND_B: self.send_backward, RECV_B: self.post_receive}
 
@@ -221,15 +223,9 @@ class Runtime:
         if chunk.boundary_in:
             xs = self._inputs((F, a.chunk - 1, a.chunk, a.microbatch))
             received = [x.detach().requires_grad_() if x.is_floating_point() else x for x in xs]
-        bytes_ = [0]
-
-        def pack(t):
-            bytes_[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            outs = self.stage.run_chunk(chunk, received, self.inputs[a.microbatch])
-        self.stats.saved_bytes[(a.chunk, a.microbatch)] = bytes_[0]
+        outs, saved = saved_activation_bytes(lambda: self.stage.run_chunk(chunk, received, self.inputs[a.microbatch]),
+                                             self.state)
+        self.stats.saved_bytes[(a.chunk, a.microbatch)] = saved
         if not chunk.boundary_out:  # the last chunk: its output is the model's output
             loss = self.stage.loss(outs, self.targets[a.microbatch]) / self.m
             self.loss = self.loss + loss.detach()
