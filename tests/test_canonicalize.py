@@ -6,9 +6,12 @@ import copy
 import torch
 import torch.nn as nn
 
-from fxpar.passes.canonicalize import view_as_pass
+from expecttest import TestCase
+
+from fxpar.passes.canonicalize import merge_aliases_pass, view_as_pass
 from fxpar.trace import trace
 from tests.models import sgd_gaps
+from tests.golden import graph_text
 from tests.threaded import on_tp_ranks
 
 aten = torch.ops.aten
@@ -53,3 +56,46 @@ def test_binary_min_max_and_view_as_keep_the_mlp_sharded():
 
     for fwd, params, share in on_tp_ranks(Clipped(), (x,), measure):
         assert fwd <= 1e-5 and params <= 1e-5 and share == (8 * 8 + 8 + 8 * 8 + 8 + 1) / (2 * 128 + 16 + 8 + 1)
+
+
+class Tied(nn.Module):
+    """One weight under two names: the LM head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(8, H), nn.Linear(H, 8, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.head(self.wte(ids))
+
+
+def test_golden_view_as_and_tied_weights():
+    """Before -> after: view_as becomes a view of the traced shape; a tied weight read under both names becomes one
+    placeholder (the first name), the other erased."""
+    from fxpar.compiler import canonical_keys
+
+    model, x = Clipped(), torch.randn(2, 3, H)
+    traced = trace(model, (x,))
+    gm = view_as_pass(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)))
+    TestCase().assertExpectedInline(graph_text(gm, placements=False), """\
+linear = linear.default(x, p_up_weight, p_up_bias)
+min_1 = min.other(linear, p_cap)
+neg = neg.default(p_cap)
+max_1 = max.other(linear, neg)
+sigmoid = sigmoid.default(max_1)
+add = add.Tensor(min_1, sigmoid)
+view = view.default(add, [-1, 16])
+view_as = view.default(view, [2, 3, 16])
+linear_1 = linear.default(view_as, p_down_weight, p_down_bias)
+add_1 = add.Tensor(x, linear_1)
+""")
+    tied = Tied()
+    traced = trace(tied, (torch.randint(0, 8, (2, 3)),))
+    gm = merge_aliases_pass(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)), canonical_keys(tied))
+    TestCase().assertExpectedInline(str([n.name for n in gm.graph.nodes if n.op == "placeholder"]) + "\n" +
+                                    graph_text(gm, placements=False), """\
+['p_wte_weight', 'ids']
+embedding = embedding.default(p_wte_weight, ids)
+linear = linear.default(embedding, p_wte_weight)
+""")

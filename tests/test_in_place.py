@@ -7,7 +7,10 @@ import torch.nn as nn
 from fxpar.api import build
 from fxpar.passes.meta import comm_kind
 from fxpar.passes.collectives import TPComm
+from expecttest import TestCase
+
 from tests import models
+from tests.golden import graph_text
 
 H, HEADS = 16, 4
 
@@ -54,3 +57,20 @@ def test_the_graph_kept_for_verify_still_clones():
     pm = build(model, TPComm(rank=0, size=2), args, kwargs)
     tp = pm.compiled.tp_graph
     assert not any(tp.get_submodule(n.target).in_place for n in tp.graph.nodes if n.op == "call_module")
+
+
+def test_golden_an_mlp_reduces_in_place_and_a_weights_f_keeps_its_copy():
+    gm = build(PerHeadScale(), TPComm(rank=0, size=2), (torch.randn(2, 3, H),)).graph_module
+    TestCase().assertExpectedInline(graph_text(gm), """\
+tp_f_0 = tp_f_0(x)  # R 2x3x16  [f in place]
+linear = linear.default(tp_f_0, p_up_weight, p_up_bias)  # S(2) 2x3x32
+view = view.default(linear, [2, 3, 2, -1])  # S(2) 2x3x2x16
+tp_f_1 = tp_f_1(p_scale)  # R 16  [f]
+mul = mul.Tensor(view, tp_f_1)  # S(2) 2x3x2x16
+view_1 = view.default(mul, [2, 3, -1])  # S(2) 2x3x32
+relu = relu.default(view_1)  # S(2) 2x3x32
+linear_1 = linear.default(relu, p_down_weight)  # P 2x3x16
+tp_g_0 = tp_g_0(linear_1)  # R 2x3x16  [g in place]
+add_tensor = add.Tensor(tp_g_0, p_down_bias)  # R 2x3x16
+add = add.Tensor(x, add_tensor)  # R 2x3x16
+""")

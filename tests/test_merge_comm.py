@@ -4,12 +4,14 @@ ranks, the alias facts (passes/aliasing.py) on small graphs."""
 import pytest
 import torch
 import torch.nn as nn
+from expecttest import TestCase
 
 from fxpar.api import build
 from fxpar.passes.comm_audit import per_layer
 from fxpar.passes.meta import FXPAR_SCALE, comm_kind
 from fxpar.passes.collectives import TPComm
 from fxpar.passes.aliasing import Storage, writes
+from tests.golden import graph_text
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks
 
@@ -151,3 +153,41 @@ def test_storage_follows_views_and_fresh_results():
     assert not s.may_alias(m, nodes["a"]) and not s.may_alias(relu, m)
     assert s.may_alias(nodes["a"], nodes["b"])  # a caller may pass one tensor twice
     assert writes(add_) == [mv] and writes(m) == [] and writes(view) is None
+
+
+def test_golden_a_dense_moe_closes_its_partial_sums_with_one_g():
+    """After merge_comm (the record's tp_graph): the shared and routed experts' partial sums meet through the
+    routing products and sums, and one g closes them all; each gate enters through the f of a per-token factor."""
+    gm = build(DenseMoE(), TPComm(rank=0, size=2), (torch.randn(2, 3, H),)).compiled.tp_graph
+    TestCase().assertExpectedInline(graph_text(gm), """\
+layer_norm = layer_norm.default(x, [16], p_norm_weight, p_norm_bias, 1e-05, False)  # R 2x3x16
+linear = linear.default(layer_norm, p_router_weight)  # R 2x3x3
+softmax = softmax.int(linear, -1)  # R 2x3x3
+tp_f_0 = tp_f_0(layer_norm)  # R 2x3x16  [f]
+linear_1 = linear.default(tp_f_0, p_shared_up_weight, p_shared_up_bias)  # S(2) 2x3x16
+relu = relu.default(linear_1)  # S(2) 2x3x16
+linear_2 = linear.default(relu, p_shared_down_weight)  # P 2x3x16
+linear_3 = linear.default(tp_f_0, p_experts_0_up_weight, p_experts_0_up_bias)  # S(2) 2x3x16
+relu_1 = relu.default(linear_3)  # S(2) 2x3x16
+linear_4 = linear.default(relu_1, p_experts_0_down_weight)  # P 2x3x16
+slice_1 = slice.Tensor(softmax, 2, 0, 1)  # R 2x3x1
+tp_f_1 = tp_f_1(slice_1)  # R 2x3x1  [f]
+mul = mul.Tensor(linear_4, tp_f_1)  # P 2x3x16
+add = add.Tensor(linear_2, mul)  # P 2x3x16
+linear_5 = linear.default(tp_f_0, p_experts_1_up_weight, p_experts_1_up_bias)  # S(2) 2x3x16
+relu_2 = relu.default(linear_5)  # S(2) 2x3x16
+linear_6 = linear.default(relu_2, p_experts_1_down_weight)  # P 2x3x16
+slice_2 = slice.Tensor(softmax, 2, 1, 2)  # R 2x3x1
+tp_f_2 = tp_f_2(slice_2)  # R 2x3x1  [f]
+mul_1 = mul.Tensor(linear_6, tp_f_2)  # P 2x3x16
+add_1 = add.Tensor(add, mul_1)  # P 2x3x16
+linear_7 = linear.default(tp_f_0, p_experts_2_up_weight, p_experts_2_up_bias)  # S(2) 2x3x16
+relu_3 = relu.default(linear_7)  # S(2) 2x3x16
+linear_8 = linear.default(relu_3, p_experts_2_down_weight)  # P 2x3x16
+slice_3 = slice.Tensor(softmax, 2, 2, 3)  # R 2x3x1
+tp_f_3 = tp_f_3(slice_3)  # R 2x3x1  [f]
+mul_2 = mul.Tensor(linear_8, tp_f_3)  # P 2x3x16
+add_2 = add.Tensor(add_1, mul_2)  # P 2x3x16
+tp_g_9 = tp_g_0(add_2)  # R 2x3x16  [g]
+add_3 = add.Tensor(x, tp_g_9)  # R 2x3x16
+""")

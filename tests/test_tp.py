@@ -8,24 +8,15 @@ import torch.nn as nn
 from expecttest import TestCase
 
 from fxpar.api import build
-from fxpar.cli_show import placement_text
 from fxpar.passes.collectives import TPComm
+from tests.golden import graph_text
 
 H = 8
 
 
 def _golden(model, *args) -> str:
-    """One line per computing node of rank 0's graph at t=2: `name = op(args)  # placement shape`."""
-    gm = build(model, TPComm(rank=0, size=2), args).graph_module
-    lines = []
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_module"):
-            continue
-        op = n.target if n.op == "call_module" else getattr(n.target, "__name__", str(n.target))
-        val = n.meta.get("val")
-        shape = "x".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else ""
-        lines.append(f"{n.name} = {op}({', '.join(map(str, n.args))})  # {placement_text(n)} {shape}".rstrip())
-    return "\n".join(lines) + "\n"
+    """Rank 0's graph at t=2 right after the tensor-parallel stages (the record's tp_graph; tests/golden.py)."""
+    return graph_text(build(model, TPComm(rank=0, size=2), args).compiled.tp_graph)
 
 
 class MLP(nn.Module):
@@ -53,11 +44,11 @@ class Attention(nn.Module):
 
 def test_an_mlp_is_column_then_row_parallel_with_f_and_g():
     TestCase().assertExpectedInline(_golden(MLP(), torch.randn(2, 3, H)), """\
-tp_f_0 = tp_f_0(x)  # R 2x3x8
+tp_f_0 = tp_f_0(x)  # R 2x3x8  [f]
 linear = linear.default(tp_f_0, p_up_weight, p_up_bias)  # S(2) 2x3x16
 relu = relu.default(linear)  # S(2) 2x3x16
 linear_1 = linear.default(relu, p_down_weight)  # P 2x3x8
-tp_g_0 = tp_g_0(linear_1)  # R 2x3x8
+tp_g_0 = tp_g_0(linear_1)  # R 2x3x8  [g]
 add_tensor = add.Tensor(tp_g_0, p_down_bias)  # R 2x3x8
 add = add.Tensor(x, add_tensor)  # R 2x3x8
 """)
@@ -65,7 +56,7 @@ add = add.Tensor(x, add_tensor)  # R 2x3x8
 
 def test_fused_qkv_is_head_interleaved():
     TestCase().assertExpectedInline(_golden(Attention(), torch.randn(2, 3, H)), """\
-tp_f_0 = tp_f_0(x)  # R 2x3x8
+tp_f_0 = tp_f_0(x)  # R 2x3x8  [f]
 linear = linear.default(tp_f_0, p_qkv_weight, p_qkv_bias)  # S(2, 3x[8]x1) 2x3x12
 split = split_with_sizes.default(linear, [4, 4, 4], 2)  # (S(2), S(2), S(2))
 getitem = getitem(split, 0)  # S(2) 2x3x4
@@ -81,7 +72,7 @@ scaled_dot_product_attention = scaled_dot_product_attention.default(transpose, t
 transpose_3 = transpose.int(scaled_dot_product_attention, 1, 2)  # S(2) 2x3x1x4
 reshape = reshape.default(transpose_3, [2, 3, 4])  # S(2) 2x3x4
 linear_1 = linear.default(reshape, p_out_weight)  # P 2x3x8
-tp_g_0 = tp_g_0(linear_1)  # R 2x3x8
+tp_g_0 = tp_g_0(linear_1)  # R 2x3x8  [g]
 add_tensor = add.Tensor(tp_g_0, p_out_bias)  # R 2x3x8
 add = add.Tensor(x, add_tensor)  # R 2x3x8
 """)
