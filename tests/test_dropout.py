@@ -90,3 +90,38 @@ def _reseeded_steps_repeat():
 def test_manual_seed_makes_dropout_reproducible(pool2):
     for same, different in pool2.run(_reseeded_steps_repeat):
         assert same == 0 and different > 0
+
+
+class _DropMLP(torch.nn.Module):
+    """Dropout on the replicated input and inside the sharded hidden layer (passes/rng.py)."""
+
+    def __init__(self, h: int = 8):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        x = torch.nn.functional.dropout(x, 0.1, self.training)
+        return x + self.down(torch.nn.functional.dropout(torch.relu(self.up(x)), 0.2, self.training))
+
+
+def test_golden_each_random_op_draws_from_its_placements_stream():
+    """passes/rng.py on rank 0 of t=2: the dropout of a replicated value draws from the tp group's shared stream, the
+    one inside the column-parallel region from this rank's own."""
+    from expecttest import TestCase
+
+    from fxpar.api import build
+    from fxpar.passes.collectives import TPComm
+    from tests.golden import graph_text
+
+    gm = build(_DropMLP(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),)).graph_module
+    TestCase().assertExpectedInline(graph_text(gm), """\
+rng_0 = rng_0(x, 0.1, True)  # R 2x3x8  [stream replicated]
+tp_f_0 = tp_f_0(rng_0)  # R 2x3x8  [f in place]
+linear = linear.default(tp_f_0, p_up_weight, p_up_bias)  # S(2) 2x3x16
+relu = relu.default(linear)  # S(2) 2x3x16
+rng_1 = rng_1(relu, 0.2, True)  # S(2) 2x3x16  [stream sharded]
+linear_1 = linear.default(rng_1, p_down_weight)  # P 2x3x8
+tp_g_0 = tp_g_0(linear_1)  # R 2x3x8  [g in place]
+add_tensor = add.Tensor(tp_g_0, p_down_bias)  # R 2x3x8
+add = add.Tensor(rng_0, add_tensor)  # R 2x3x8
+""")

@@ -1,12 +1,15 @@
 """The partition pass in one process: chained chunks equal the unsplit graph; balance; refusals."""
 import pytest
 import torch
+import torch.nn as nn
+from expecttest import TestCase
 
 from fxpar.api import build
 from fxpar.passes.collectives import TPComm
 from fxpar.passes.layers import find_layers
 from fxpar.passes.partition import balance, partition_pass
 from tests import models
+from tests.golden import graph_text
 
 
 def _chain(pm, partition, flat):
@@ -45,3 +48,36 @@ def test_balance_uneven_layers_never_drops_one():
     assert balance([1.0] * 4, 3.0, 0.0, 2) == [[0], [1, 2, 3]]  # the embedding weighs on chunk 0
     with pytest.raises(ValueError, match=r"cannot cut 2 layers into p\*v = 4 chunks"):
         balance([1.0, 1.0], 0.0, 0.0, 4)
+
+
+class TwoBlocks(nn.Module):
+    """Two residual MLP blocks in a ModuleList: cut into 2 chunks at the residual stream."""
+
+    def __init__(self, h: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(h, 2 * h), nn.ReLU(), nn.Linear(2 * h, h))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_golden_two_chunks_hand_over_the_residual_stream():
+    pm = build(TwoBlocks(), TPComm(0, 1), (torch.randn(2, 3, 8),))
+    part = partition_pass(pm.graph_module, 2)
+    text = "".join(f"chunk {c.index} layers {c.layers}: in {list(c.boundary_in)} out {list(c.boundary_out)}\n"
+                   f"{graph_text(c.gm, placements=False)}" for c in part.chunks)
+    TestCase().assertExpectedInline(text, """\
+chunk 0 layers (0,): in [] out [BoundaryValue(name='add', shape=(2, 3, 8), dtype=torch.float32, placement=Replicate())]
+linear = linear.default(x, p_layers_0_0_weight, p_layers_0_0_bias)
+relu = relu.default(linear)
+linear_1 = linear.default(relu, p_layers_0_2_weight, p_layers_0_2_bias)
+add = add.Tensor(x, linear_1)
+chunk 1 layers (1,): in [BoundaryValue(name='add', shape=(2, 3, 8), dtype=torch.float32, placement=Replicate())] out []
+linear_2 = linear.default(add, p_layers_1_0_weight, p_layers_1_0_bias)
+relu_1 = relu.default(linear_2)
+linear_3 = linear.default(relu_1, p_layers_1_2_weight, p_layers_1_2_bias)
+add_1 = add.Tensor(add, linear_3)
+""")
