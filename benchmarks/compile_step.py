@@ -94,7 +94,7 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -
 
 def _full_grads(pm):
     """Full gradients of a ParallelModule under the original keys (each sharded gradient unsharded over tp)."""
-    from fxpar.passes.placements import unshard
+    from fxpar.passes.ir.placements import unshard
 
     def read() -> dict:
         out = {}

@@ -194,7 +194,7 @@ def calibrated_cluster(path: str, world: int, quick: bool):
     from fxpar.cost.cluster import load_cluster
 
     if not os.path.exists(path):
-        subprocess.run([sys.executable, "-m", "fxpar.cli", "calibrate", "--world", str(world), "--out", path]
+        subprocess.run([sys.executable, "-m", "fxpar.cli.main", "calibrate", "--world", str(world), "--out", path]
                        + ["--quick"] * quick, check=True)
     return load_cluster(path)
 

@@ -43,10 +43,10 @@ from fxpar.api import build  # noqa: E402
 from fxpar.config import Config  # noqa: E402
 from fxpar.cost.memory import activation_bytes_per_layer  # noqa: E402
 from fxpar.cost.shape import ModelShape  # noqa: E402
-from fxpar.measure import saved_activation_bytes  # noqa: E402
-from fxpar.passes.fusion import fusion_pass  # noqa: E402
-from fxpar.passes.collectives import TPComm  # noqa: E402
-from fxpar.passes.recompute import recompute_pass  # noqa: E402
+from fxpar.runtime.measure import saved_activation_bytes  # noqa: E402
+from fxpar.passes.fusion.driver import fusion_pass  # noqa: E402
+from fxpar.passes.tensor_parallel.collectives import TPComm  # noqa: E402
+from fxpar.passes.fusion.recompute import recompute_pass  # noqa: E402
 
 VARIANTS = ("unfused", "fused", "unfused/selective", "unfused/full", "fused/selective", "fused/full")
 TOL = 1e-5

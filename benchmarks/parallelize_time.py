@@ -1,14 +1,15 @@
 """Benchmark: how long fxpar's parallelize() takes on GPT-2-small-shaped models of 12 and 48 layers.
 
 parallelize() is build(): the compiler's stages (fxpar/compiler.py STAGES: trace with torch.export, then analysis,
-the rewrite passes, partition, compile) -> this rank's ParallelModule (copies its shards of the weights) and the plan. Here build runs for rank 0 of t=2 with no
-process group (TPComm(rank=0, size=2) simulates the rank), so it needs only one process. The model is examples/gpt.py
-with GPT-2 small's dimensions (hidden 768, 12 heads, vocabulary 50257, which t=2 does not divide: the vocabulary
-stays replicated, as the plan says; --vocab 50304 pads it as nanoGPT does).
+the rewrite passes, partition, compile) -> this rank's ParallelModule (copies its shards of the weights) and the plan.
+Here build runs for rank 0 of t=2 with no process group (TPComm(rank=0, size=2) simulates the rank), so it needs only
+one process. The model is examples/gpt.py with GPT-2 small's dimensions (hidden 768, 12 heads, vocabulary 50257, which
+t=2 does not divide: the vocabulary stays replicated, as the plan says; --vocab 50304 pads it as nanoGPT does).
 
 Columns: trace = the trace stage alone; analysis+rewrite = the stages after it on that trace; build = the whole
-build() (a fresh trace included), each the median of --repeats runs after one untimed warm-up (the first export in a process pays
-one-time costs); every repeat builds each depth in turn, so that drifting load on the machine hits all depths alike. Compile time should grow linearly with depth: the 48/12 row shows the ratios, ~4 when linear.
+build() (a fresh trace included), each the median of --repeats runs after one untimed warm-up (the first export in a
+process pays one-time costs); every repeat builds each depth in turn, so that drifting load on the machine hits all
+depths alike. Compile time should grow linearly with depth: the 48/12 row shows the ratios, ~4 when linear.
 
 Run:
     .venv/bin/python benchmarks/parallelize_time.py
@@ -44,7 +45,7 @@ def time_build_once(model, ids, t: int = 2) -> dict:
     from fxpar.api import build
     from fxpar.compiler import STAGES, Compiled, Target, run_stages
     from fxpar.config import Config
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     comm = TPComm(rank=0, size=t)
     record = Compiled(model, (ids,), {}, Target(comm), Config())

@@ -139,7 +139,7 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, c
     """Build, check and time the three variants on this rank (a gloo group of size t must exist). Returns, on every
     rank, {"times" and "cpu": {variant: [wall / CPU seconds per step, one per round, max over ranks]},
     "errors": {variant: (max |loss error|, max |gradient error|) over ranks}, "config": {...}}."""
-    from fxpar.passes.placements import local_shard
+    from fxpar.passes.ir.placements import local_shard
 
     rank, t = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Benchmark: the vocab-parallel cross-entropy against the gathered logits, one t=2 train step of the example GPT.
 
     vocab-parallel  loss_fn = F.cross_entropy, traced with the model: the logits stay sharded, the ranks all-reduce
-                    per-token values (passes/vocab_kernels.py)
+                    per-token values (passes/tensor_parallel/vocab_kernels.py)
     gathered        the same loss spelled with class weights of ones (no vocab-parallel rule: the plan says so), so
                     the logits are all-gathered on every rank and the cross-entropy runs on the full vocabulary
 

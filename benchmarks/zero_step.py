@@ -2,7 +2,7 @@
 
     replicated   Config(zero=0): gradients all-reduced over dp, every rank steps all parameters (full Adam state)
     zero=1       Config(zero=1): gradients reduce-scattered, each rank steps its 1/d pieces (fp32 main copies and
-                 1/d of the state), the pieces all-gathered (fxpar/zero.py)
+                 1/d of the state), the pieces all-gathered (fxpar/runtime/zero.py)
 
 Both start from the same model and must give the same losses over the warm-up steps (within 1e-5). The variants
 then run interleaved for R rounds (common.time_rounds); the table shows the median step time, the median per-round

@@ -24,7 +24,7 @@ bf16/fp16 is fxpar's fxpar.MixedPrecision (gradients accumulate into fp32 main g
 fxpar steps fp32 copies of a rank's 1/d pieces with their own fp32 gradients: 4 + 4 + 8 = 16/d (Megatron-LM's
 reuses a view of its gradient buffer: 12/d). The gradients are counted at their peak: every one is alive from
 its first microbatch's backward until the step (zero=0) or until its bucket is reduce-scattered after the last
-microbatch's backward (zero=1). `fxpar.optim.state_bytes(pm, optimizer)` measures the same four parts.
+microbatch's backward (zero=1). `fxpar.runtime.optim.state_bytes(pm, optimizer)` measures the same four parts.
 
 Logits on the last stage: b s V/t in the compute dtype plus the cross-entropy's fp32 copy, (e + 4) b s V / t, when
 the loss is vocab-parallel; a loss that needs the whole vocabulary also holds the gathered logits and their fp32
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from .cluster import GIB, Cluster
 from .flops import check_recompute, layer_parameters
-from .pipeline import chunks_in_flight
+from .bubble import chunks_in_flight
 from .shape import ModelShape
 
 # precision: bytes per parameter of (weights, gradients, main parameters at zero=0, optimizer state)

@@ -32,7 +32,7 @@ from .compute import head_seconds, layer_seconds
 from .flops import check_recompute, flops_per_iteration
 from .memory import (PRECISIONS, MemoryBreakdown, default_precision, memory_per_gpu, stage_parameters,
                      state_bytes_per_param)
-from .pipeline import bubble_fraction, check_schedule, default_schedule, split_layers
+from .bubble import bubble_fraction, check_schedule, default_schedule, split_layers
 from .shape import ModelShape
 
 

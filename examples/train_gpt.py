@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fxpar  # noqa: E402
-import fxpar.checkpoint  # noqa: E402
+import fxpar.checkpoint.dcp  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def main(argv=None):
     data = batches(stdlib_bytes(), args.batch, args.seq, seed=0)
     rank0 = dist.get_rank() == 0
     first = 0
-    latest = fxpar.checkpoint.latest(args.checkpoint) if args.checkpoint else None
+    latest = fxpar.checkpoint.dcp.latest(args.checkpoint) if args.checkpoint else None
     if latest:  # resume: weights, optimizer state, random streams; the data position is the step
         first = fxpar.load(latest, pm, optimizer=opt)["step"]
         for _ in range(first):

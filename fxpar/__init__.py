@@ -4,10 +4,23 @@
     pm = fxpar.parallelize(model, mesh, example_args=(ids,))
     fxpar.verify(model, pm, (ids,))
 
-The package has three layers, each a top-level folder of the repository: fxpar/ (this package: API, compiler
-driver, executables, runtime, CLI), passes/ (imported as fxpar.passes: placements, rules, the rewrite passes,
-schedules, proofs) and cost/ (imported as fxpar.cost: the pure-math cost model and planner). Imports only point
-down: fxpar -> passes -> cost. The public names below load lazily (PEP 562), so `import fxpar.cost` loads no torch.
+The package has three layers, each a top-level folder of the repository: fxpar/ (this package: the public API,
+the compiler driver and its trace, with runtime/, checkpoint/ and cli/ beneath), passes/ (imported as
+fxpar.passes: the IR, frontend, sharding analysis, tensor-parallel rewrite, fusion and pipeline passes) and cost/
+(imported as fxpar.cost: the pure-math cost model and planner). Imports only point down: fxpar -> passes -> cost.
+The public names below load lazily (PEP 562), so `import fxpar.cost` loads no torch.
+
+    api.py        parallelize(model, mesh, example_args): input checks, the executable it returns
+    config.py     fxpar.Config, validated on construction
+    mesh.py       the device mesh (pp, dp, tp), tp fastest
+    trace.py      the frontend: torch.export (non-strict) into an ATen fx graph, inputs traced distinct
+    guard.py      global state a failing call must not leak; autograd semantics a trace would drop
+    compiler.py   the driver: every stage, one pass each, in one ordered list (STAGES)
+    verify.py     fxpar.verify: the original and the parallel graph side by side, node by node
+    check.py      the exactness proof behind `fxpar check`: K optimizer steps against the unmodified model
+    runtime/      the executables, programs, weights, optimizers, mixed precision, clipping, replicas
+    checkpoint/   DCP checkpoints with resharding, safetensors
+    cli/          the `fxpar` command and one module per subcommand
 """
 from __future__ import annotations
 
@@ -16,14 +29,14 @@ import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(os.path.join(_ROOT, "passes", "meta.py")):
+if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(os.path.join(_ROOT, "passes", "__init__.py")):
     # A source checkout without installing: fxpar.passes and fxpar.cost are the sibling folders passes/ and cost/
     # (an install maps them the same way, through pyproject.toml's package-dir).
     __path__.append(_ROOT)  # noqa: F821 - the package's own __path__
 
 _PUBLIC = {"parallelize": "fxpar.api", "Config": "fxpar.config", "init_mesh": "fxpar.mesh",
-           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.precision",
-           "save": "fxpar.checkpoint", "load": "fxpar.checkpoint"}
+           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.runtime.precision",
+           "save": "fxpar.checkpoint.dcp", "load": "fxpar.checkpoint.dcp"}
 __all__ = sorted(_PUBLIC)
 
 

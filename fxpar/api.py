@@ -13,11 +13,11 @@ import torch.nn as nn
 
 from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
-from fxpar.executable import ParallelModule, tp_comm
+from fxpar.runtime.executable import ParallelModule, tp_comm
 from fxpar.mesh import check_mesh
-from fxpar.passes.collectives import TPComm
-from fxpar.passes.rng import RandomStreams
-from fxpar.pipeline import PipelineModule
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.tensor_parallel.rng import RandomStreams
+from fxpar.runtime.pipeline_executable import PipelineModule
 
 
 def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
@@ -69,7 +69,8 @@ def _check_meta_buffers(model: nn.Module) -> None:
 
 
 def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:
-    """This rank's random streams ([Note: random streams] in passes/rng.py), from one seed for every rank."""
+    """This rank's random streams ([Note: random streams] in passes/tensor_parallel/rng.py), from one seed for every
+    rank."""
     seed = config.seed
     if seed is None:
         seed = torch.initial_seed() % 2**62

@@ -1,5 +1,5 @@
 """The exactness proof for a user's own model and plan, on CPU: K optimizer steps of the parallel model against the
-unmodified model on one process, on the same batches (`fxpar check`, fxpar/cli_check.py).
+unmodified model on one process, on the same batches (`fxpar check`, fxpar/cli/check_command.py).
 
     result = check(CheckSpec(target="my_model.py:factory", tp=2, pp=2, steps=3))
     result.status   # "exact" | "mismatch" | "refused" | "failed"
@@ -65,7 +65,7 @@ class CheckSpec:
     dp: int = 1
     vpp: int = 1
     microbatches: int | None = None  # m; default: 1, or 2*pp with a pipeline
-    schedule: str | None = None  # default: 1f1b, interleaved-1f1b for v > 1 (cost.pipeline.default_schedule)
+    schedule: str | None = None  # default: 1f1b, interleaved-1f1b for v > 1 (cost.bubble.default_schedule)
     zero: int = 0
     precision: str = "fp32"
     steps: int = 3
@@ -103,7 +103,7 @@ class CheckResult:
     spec: CheckSpec
     steps: list[Step] = field(default_factory=list)
     message: str = ""  # the refusal, the mismatch or the failure, in words
-    ledger: list = field(default_factory=list)  # pm.plan.comm (passes/comm_audit.py LayerComm)
+    ledger: list = field(default_factory=list)  # pm.plan.comm (passes/sharding/comm_audit.py LayerComm)
     bytes_per_element: int = 4
     tolerance: float = 1e-5
     arbiter: str = ""  # a fp32 gap the float64 run showed to be rounding ([Tolerance])
@@ -112,7 +112,7 @@ class CheckResult:
 
 def unpack(out, spec: str):
     """(model, args, kwargs, loss) from a factory's (model, args[, kwargs[, loss]])."""
-    from fxpar.cli_target import unpack_target
+    from fxpar.cli.targets import unpack_target
 
     if isinstance(out, tuple) and len(out) == 4:
         *out, loss = out
@@ -174,7 +174,7 @@ class Reference:
         self.opt = torch.optim.AdamW(params, lr=spec.lr)
 
     def step(self, args, kwargs) -> float:
-        from fxpar.precision import cast_inputs, cast_outputs
+        from fxpar.runtime.precision import cast_inputs, cast_outputs
 
         n, total = self.spec.dp * self.spec.m, 0.0
         self.opt.zero_grad()
@@ -222,8 +222,8 @@ def _gap(full: dict, want: dict) -> tuple[float, str]:
 def _on_rank(spec: CheckSpec) -> CheckResult:
     """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
     import fxpar
-    from fxpar.cost.pipeline import default_schedule
-    from fxpar.cli_target import load_factory
+    from fxpar.cost.bubble import default_schedule
+    from fxpar.cli.targets import load_factory
 
     factory = load_factory(spec.target)
     torch.manual_seed(spec.seed)

@@ -8,7 +8,7 @@ TraceError) keeps its type, anything else becomes a PassError.
 
 The traced program (`traced.gm`) is never rewritten: `working_copy` makes the copy (`gm`) that the graph
 passes rewrite in place, `keep_tp_graph` snapshots it for verify, and the partition copies the nodes of each chunk
-into graphs of its own. Stages hand each other typed metadata (passes/meta.py), never node names.
+into graphs of its own. Stages hand each other typed metadata (passes/ir/meta.py), never node names.
 """
 from __future__ import annotations
 
@@ -26,28 +26,30 @@ import torch.nn as nn
 from torch.fx import GraphModule
 
 from fxpar.config import Config
-from fxpar.passes.analysis import Analysis, analyze, check_divisible, weight_specs
-from fxpar.passes.canonicalize import cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass, view_as_pass
-from fxpar.passes.fusion import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
-                                 identity_dropout_pass)
-from fxpar.passes.gemm_forms import gemm_forms_pass
-from fxpar.passes.local_shapes import input_device, local_shapes_pass, meta_state_device, place_meta_state_pass
-from fxpar.passes.lower_schedule import Program, lower_program
-from fxpar.passes.merge_comm import merge_comm_pass
-from fxpar.passes.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
-from fxpar.passes.collectives import TPComm
-from fxpar.passes.partition import Partition, partition_pass, whole_graph
-from fxpar.passes.placements import Shard
-from fxpar.passes.proofs import prove
-from fxpar.passes.in_place import in_place_pass
-from fxpar.passes.recompute import recompute_pass
-from fxpar.passes.rng import RandomStreams, random_streams_pass
-from fxpar.passes.schedules import build_schedule
-from fxpar.passes.simulate import SimResult
-from fxpar.passes.tp import tensor_parallel_pass
-from fxpar.passes.vocab_analysis import vocab_analysis
+from fxpar.passes.sharding.analysis import Analysis, analyze, check_divisible, weight_specs
+from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass,
+                                                view_as_pass)
+from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
+                                        identity_dropout_pass)
+from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
+from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
+                                                       place_meta_state_pass)
+from fxpar.passes.pipeline.lower import Program, lower_program
+from fxpar.passes.tensor_parallel.merge_comm import merge_comm_pass
+from fxpar.passes.ir.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.pipeline.partition import Partition, partition_pass, whole_graph
+from fxpar.passes.ir.placements import Shard
+from fxpar.passes.pipeline.proofs import prove
+from fxpar.passes.tensor_parallel.in_place import in_place_pass
+from fxpar.passes.fusion.recompute import recompute_pass
+from fxpar.passes.tensor_parallel.rng import RandomStreams, random_streams_pass
+from fxpar.passes.pipeline.schedules import build_schedule
+from fxpar.passes.pipeline.simulate import SimResult
+from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
+from fxpar.passes.sharding.vocab_analysis import vocab_analysis
 from fxpar.trace import TraceError, Traced, trace
-from fxpar.weights import expected_state
+from fxpar.runtime.weights import expected_state
 
 log = logging.getLogger("fxpar")
 
@@ -63,7 +65,7 @@ class Target:
     comm: TPComm  # rank and size of the tp group (group=None simulates the rank: shapes only)
     pp: int = 1  # pipeline ranks
     pipelined: bool = False  # trained with step() over a pipeline schedule (a loss_fn was given)
-    streams: RandomStreams | None = None  # this rank's random streams (passes/rng.py); None: seed 0
+    streams: RandomStreams | None = None  # this rank's random streams (passes/tensor_parallel/rng.py); None: seed 0
     chunk_layers: tuple | None = None  # pin the layers of each chunk (a recompile keeps the first one's cut)
 
     def __post_init__(self):
@@ -111,7 +113,7 @@ class Compiled:
 # ---------------------------------------------------------------------------------------------------- the stages
 def _trace(c: Compiled) -> Traced:
     """torch.export's program; weights built on the meta device are placed where the inputs are (see
-    passes/local_shapes.py place_meta_state_pass)."""
+    passes/tensor_parallel/local_shapes.py place_meta_state_pass)."""
     mp = c.config.mixed_precision
     traced = trace(c.model, c.example_args, c.example_kwargs, c.loss, mp.param_dtype if mp is not None else None)
     device = meta_state_device(traced.gm)
@@ -256,7 +258,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
     ("gemm_forms", "gm", lambda c: gemm_forms_pass(c.gm)),  # every weight contraction as linear / mm / addmm
     ("analyze", "analysis", _analyze),  # placements and regions of column- then row-parallel GEMMs
-    ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/vocab_analysis.py)
+    ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/sharding/vocab_analysis.py)
     ("check_divisible", None, _check_divisible),  # every sharded size divides by t, or a clear error
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("merge_comm", "gm", _merge_comm),  # g moved past linear ops, two partial sums one g; f's of one value one f
@@ -274,7 +276,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags
-    ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/proofs.py)
+    ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/pipeline/proofs.py)
     ("compile", "callables", _compile),  # torch.compile each chunk (Config.compile), else the chunk graphs
     ("expected_state", "expected_state", _expected_state),  # each chunk's weights as traced (the executable checks)
 )

@@ -6,18 +6,19 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from fxpar.cost.flops import RECOMPUTE_MODES
-from fxpar.cost.pipeline import SCHEDULES, check_schedule
-from fxpar.precision import MixedPrecision
+from fxpar.cost.bubble import SCHEDULES, check_schedule
+from fxpar.runtime.precision import MixedPrecision
 
 
 @dataclass(frozen=True)
 class Config:
     microbatches: int = 1  # m: microbatches per pipeline flush
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
-    schedule: str = "1f1b"  # one of cost.pipeline.SCHEDULES; which (p, m, v) it runs: cost.pipeline.check_schedule
+    schedule: str = "1f1b"  # one of cost.bubble.SCHEDULES; which (p, m, v) it runs: cost.bubble.check_schedule
     scatter_gather: bool | str = "auto"  # send 1/t of each boundary activation, all-gather on arrival; "auto": only
     # where a pipeline link joins two hosts and tp stays on one (fxpar/mesh.py pipeline_crosses_hosts)
-    fuse: bool = True  # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion.py)
+    # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion/driver.py)
+    fuse: bool = True
     recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
@@ -25,8 +26,9 @@ class Config:
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
     seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
     check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)
-    zero: int = 0  # 1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/zero.py); 0: plain
-    mixed_precision: MixedPrecision | None = None  # low-precision compute, fp32 main grads/params (fxpar/precision.py)
+    zero: int = 0  # 1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/runtime/zero.py); 0: plain
+    # low-precision compute, fp32 main grads/params (fxpar/runtime/precision.py)
+    mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:

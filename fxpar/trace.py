@@ -1,7 +1,7 @@
 """Frontend: trace an unmodified model with torch.export (non-strict) into an ATen-level fx graph.
 
 The traced graph takes its parameters, buffers and lifted constants as placeholders, followed by the flattened user
-inputs. Every placeholder is stamped with the GraphInput it stands for (passes/meta.py), under the model's own
+inputs. Every placeholder is stamped with the GraphInput it stands for (passes/ir/meta.py), under the model's own
 state_dict names, and every node with its own name as FXPAR_ORIGIN, so rewritten copies still say which value of the
 traced program they compute. The traced graph itself is never rewritten: the compiler works on a copy, and verify
 runs this one as the reference.
@@ -25,9 +25,9 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 
 from fxpar.guard import backward_hooks, preserve_global_state, watch_trace
-from fxpar.passes.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput,
-                               module_path, resolve_inputs)
-from fxpar.precision import cast_inputs, cast_outputs
+from fxpar.passes.ir.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput, module_path,
+                                  resolve_inputs)
+from fxpar.runtime.precision import cast_inputs, cast_outputs
 
 
 class TraceError(RuntimeError):
@@ -117,8 +117,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, loss:
 
     loss: (loss_fn, example_target): trace loss_fn(model(*args, **kwargs), target) as one program ([Note: the loss
     is traced]); if that cannot be traced but the model can, the trace is the model's and `loss_note` says why.
-    compute_dtype: mixed precision ([Note: mixed precision] in fxpar/precision.py): the model's floating inputs are
-    cast to it and its floating outputs to fp32, inside the program."""
+    compute_dtype: mixed precision ([Note: mixed precision] in fxpar/runtime/precision.py): the model's floating inputs
+    are cast to it and its floating outputs to fp32, inside the program."""
     if loss is None:
         return _trace(model, args, kwargs, compute_dtype=compute_dtype)
     loss_fn, target = loss

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from fxpar.passes.meta import module_path
-from fxpar.passes.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
-from fxpar.passes.placements import Partial, Shard, local_shard
+from fxpar.passes.ir.meta import module_path
+from fxpar.passes.ir.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
+from fxpar.passes.ir.placements import Partial, Shard, local_shard
 
 
 class VerifyError(AssertionError):

@@ -21,7 +21,7 @@ def refused():
 
 def broken():
     """The example GPT with fxpar sabotaged in this rank: the row-parallel all-reduce g becomes the identity f."""
-    import fxpar.passes.tp as tp
+    import fxpar.passes.tensor_parallel.rewrite as tp
     from gpt import lm  # examples/ is on sys.path (tests/models.py)
 
     real = tp.call_comm

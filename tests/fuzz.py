@@ -103,7 +103,7 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
     import fxpar
     from fxpar.api import build
     from fxpar.compiler import retarget
-    from fxpar.executable import ParallelModule, tp_comm
+    from fxpar.runtime.executable import ParallelModule, tp_comm
 
     tol = TOL[next(model.parameters()).dtype]
     reference, chain_model, chain_ref = (copy.deepcopy(model) for _ in range(3))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from fxpar.cli_show import placement_text
-from fxpar.passes.meta import FXPAR_FUSED, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind
+from fxpar.cli.show_command import placement_text
+from fxpar.passes.ir.meta import FXPAR_FUSED, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind
 
 
 def _op(gm: GraphModule, n) -> str:

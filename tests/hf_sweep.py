@@ -9,8 +9,8 @@ model: the forward, and every parameter after one SGD step. A row records
                | wrong (numbers differ) | crash (an error from inside fxpar) | no tiny build (transformers itself
                cannot build or run the tiny model: not counted)
     fwd, bwd   activation collectives per layer in forward and backward, the mean over the layers fxpar found
-               (pm.plan.comm, passes/comm_audit.py): Megatron's layout needs 2 and 2. Those outside the layers (the
-               vocabulary's) are not counted, nor those of a few values per token or of a weight's gradient
+               (pm.plan.comm, passes/sharding/comm_audit.py): Megatron's layout needs 2 and 2. Those outside the layers
+               (the vocabulary's) are not counted, nor those of a few values per token or of a weight's gradient
     share      parameters held on one rank over the model's (1.0: fully replicated; Megatron's layout at t=2 about 0.5)
     why        for a layer above 2 + 2, the plan's note on it; else the first reason the plan gives for what stayed
                replicated, or the refusal / error
@@ -110,7 +110,7 @@ def _forward_params(model) -> set[str]:
 
 def _check_rank(model, args, kwargs, traced):
     """One rank: parallelize, compare forward and parameters after SGD, and read the plan."""
-    from fxpar.passes.comm_audit import per_layer
+    from fxpar.passes.sharding.comm_audit import per_layer
 
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.placements import Replicate, Shard
-from fxpar.passes.rules import Ctx
+from fxpar.passes.ir.placements import Replicate, Shard
+from fxpar.passes.sharding.rules import Ctx
 
 aten = torch.ops.aten
 R = Replicate()

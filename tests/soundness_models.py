@@ -165,7 +165,8 @@ class TinyLM(nn.Module):
 
 class InPlaceScan(nn.Module):
     """A gated recurrence written the way recurrent_gemma's RG-LRU is: a zeros_like buffer filled step by step in
-    place, then multiplied into a column-parallel branch ([Note: reads after mutation] in passes/tp.py)."""
+    place, then multiplied into a column-parallel branch ([Note: reads after mutation] in
+    passes/tensor_parallel/rewrite.py)."""
 
     def __init__(self):
         super().__init__()

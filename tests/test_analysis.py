@@ -7,9 +7,9 @@ import torch.nn as nn
 
 from fxpar.api import build
 from fxpar.compiler import Target, compile_model
-from fxpar.passes.fused_projections import fused_parts
-from fxpar.passes.collectives import TPComm
-from fxpar.passes.tp import tensor_parallel_pass
+from fxpar.passes.sharding.fused_projections import fused_parts
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
 from fxpar.trace import trace
 from tests import models
 

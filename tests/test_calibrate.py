@@ -1,11 +1,11 @@
-"""fxpar.calibrate without processes: the interleaved timer, the mean over ranks, and the fit of raw measurements
+"""fxpar.cli.calibrate without processes: the interleaved timer, the mean over ranks, and the fit of raw measurements
 (the spawned measurement itself runs in test_cost_cli's `fxpar calibrate --quick`)."""
 import dataclasses
 
 import pytest
 import torch
 
-from fxpar.calibrate import Layer, fit, interleaved, mean_over_ranks
+from fxpar.cli.calibrate import Layer, fit, interleaved, mean_over_ranks
 from fxpar.cost.comm import allreduce_seconds
 from fxpar.cost.compute import layer_seconds
 from fxpar.cost.shape import ModelShape

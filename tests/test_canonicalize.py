@@ -1,4 +1,4 @@
-"""passes/canonicalize.py: view_as spelled as a view; and models whose activations use it and binary min/max."""
+"""passes/frontend/canonicalize.py: view_as spelled as a view; and models whose activations use it and binary min/max."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from expecttest import TestCase
 
-from fxpar.passes.canonicalize import merge_aliases_pass, view_as_pass
+from fxpar.passes.frontend.canonicalize import merge_aliases_pass, view_as_pass
 from fxpar.trace import trace
 from tests.models import sgd_gaps
 from tests.golden import graph_text

@@ -1,5 +1,5 @@
-"""`fxpar check` (fxpar/check.py, fxpar/cli_check.py): exact models pass, a refused one exits 2 with fxpar's message,
-and a deliberately broken executable exits 1 naming the step and the parameter: a check that cannot fail checks
+"""`fxpar check` (fxpar/check.py, fxpar/cli/check_command.py): exact models pass, a refused one exits 2 with fxpar's
+message, and a deliberately broken executable exits 1 naming the step and the parameter: a check that cannot fail checks
 nothing. Each run starts its ranks as gloo processes."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(target: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fxpar.cli", "check", target, *flags], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "fxpar.cli.main", "check", target, *flags], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=600)
 

@@ -276,8 +276,8 @@ class _Evil:
 def test_chunks_are_the_shard_in_the_full_tensor():
     """Every chunk of every rank's shard is the same slice of the full tensor (plain, head-interleaved QKV,
     gate|up, per-head [H, 3, hd] blocks, unequal parts), and together they tile it once."""
-    from fxpar.checkpoint_chunks import chunks
-    from fxpar.passes.placements import Shard, local_shard
+    from fxpar.checkpoint.chunks import chunks
+    from fxpar.passes.ir.placements import Shard, local_shard
 
     for spec, t in [(Shard(0, (12,)), 2), (Shard(0, (8, 8, 8)), 4), (Shard(1, (6, 6)), 2), (Shard(0, (4,), pre=6), 2),
                     (Shard(0, (8, 4, 4)), 2), (Shard(1, (4, 2, 2), post=3), 2)]:
@@ -407,7 +407,7 @@ def test_gpt3_175b_on_meta_yields_a_t8_ranks_local_shapes_without_allocating():
 
     script = ("import json, resource, torch\n"
               "from fxpar.api import build\n"
-              "from fxpar.passes.collectives import TPComm\n"
+              "from fxpar.passes.tensor_parallel.collectives import TPComm\n"
               "from examples.gpt3_175b import factory\n"
               "with torch.device('meta'):\n"
               "    model, args = factory()\n"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fxpar.cli import build_parser, main
+from fxpar.cli.main import build_parser, main
 
 LLAMA = "tests/show_targets.py:llama"
 
@@ -49,7 +49,7 @@ def test_show_dot_has_a_legend(capsys):
 
 
 def test_show_console_script():
-    out = subprocess.run([sys.executable, "-m", "fxpar.cli", "show", "examples/gpt.py:factory", "--tp", "4",
+    out = subprocess.run([sys.executable, "-m", "fxpar.cli.main", "show", "examples/gpt.py:factory", "--tp", "4",
                           "--format", "table"], capture_output=True, text=True, check=True).stdout
     assert "lm_head.weight" in out and "64x64" in out  # 256 vocab rows / 4
 

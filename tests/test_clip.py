@@ -57,7 +57,7 @@ def test_a_large_max_norm_changes_nothing(pool2):
 
 
 def test_bad_norm_type_is_refused():
-    from fxpar.clip import clip_grad_norm_
+    from fxpar.runtime.clip import clip_grad_norm_
 
     with pytest.raises(ValueError, match="norm_type must be positive or inf, got -1.0"):
         clip_grad_norm_(None, 1.0, norm_type=-1)

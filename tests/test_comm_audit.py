@@ -1,13 +1,13 @@
-"""The plan's communication per layer (passes/comm_audit.py) against Megatron's 2 + 2, and low-rank pairs kept to
-Megatron's layout ([Note: low-rank pairs] in passes/analysis.py): golden plans on simulated ranks, numerics on
-threaded gloo ranks."""
+"""The plan's communication per layer (passes/sharding/comm_audit.py) against Megatron's 2 + 2, and low-rank pairs kept
+to Megatron's layout ([Note: low-rank pairs] in passes/sharding/analysis.py): golden plans on simulated ranks, numerics
+on threaded gloo ranks."""
 import pytest
 import torch
 import torch.nn as nn
 
 from fxpar.api import build
-from fxpar.passes.comm_audit import per_layer
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.sharding.comm_audit import per_layer
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from tests import models
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks

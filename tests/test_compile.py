@@ -14,7 +14,7 @@ from tests.threaded import Threaded, on_ranks
 def test_compiled_tensor_parallel_gpt_is_exact():
     import fxpar
     from fxpar.api import build
-    from fxpar.executable import tp_comm
+    from fxpar.runtime.executable import tp_comm
     from fxpar.trace import trace
 
     model, args, kwargs = models.build("gpt")

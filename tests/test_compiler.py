@@ -7,8 +7,8 @@ import torch
 
 from fxpar.compiler import STAGES, Compiled, PassError, Target, compile_model, run_stages
 from fxpar.config import Config
-from fxpar.passes.meta import FXPAR_COMM, FXPAR_INPUT, FXPAR_PLACEMENT
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_INPUT, FXPAR_PLACEMENT
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from tests import models
 
 

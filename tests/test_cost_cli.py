@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpar import cli_plan
+from fxpar.cli import plan_command as cli_plan
 from fxpar.cost.cluster import load_cluster
 from fxpar.cost.planner import plan
 from fxpar.cost.shape import ModelShape
@@ -88,7 +88,7 @@ def test_calibrate_quick_then_plan_locally(tmp_path, capsys):
 @pytest.mark.slow
 def test_plan_gpt3_175b_on_the_meta_device_under_60s_and_2gb():
     """The 175B factory really traced (96 layers, h = 12288), in a fresh process; RSS of that process only."""
-    command = [sys.executable, "-m", "fxpar.cli", "plan", f"{EXAMPLE}:factory", "--batch", "1536", "--gpus",
+    command = [sys.executable, "-m", "fxpar.cli.main", "plan", f"{EXAMPLE}:factory", "--batch", "1536", "--gpus",
                "1024", "--cluster", "selene", "--json"]
     wrapper = ("import json, resource, subprocess, sys, time\n"
                "start = time.perf_counter()\n"

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpar.model_shape import load_factory, shape_from_graph, shape_from_target, trace_on_meta
+from fxpar.cli.model_shape import load_factory, shape_from_graph, shape_from_target, trace_on_meta
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt3_175b.py"
 

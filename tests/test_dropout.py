@@ -1,5 +1,5 @@
-"""Dropout at t=2 with Megatron's random streams ([Note: random streams] in passes/rng.py): masks drawn in
-replicated parts are the same on every tp rank, masks inside sharded regions differ, the rate is p, and none of it
+"""Dropout at t=2 with Megatron's random streams ([Note: random streams] in passes/tensor_parallel/rng.py): masks drawn
+in replicated parts are the same on every tp rank, masks inside sharded regions differ, the rate is p, and none of it
 depends on the users' per-rank seeds."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class _Recorder(fx.Interpreter):
         self.draws = []
 
     def run_node(self, n):
-        from fxpar.passes.meta import FXPAR_RANDOM
+        from fxpar.passes.ir.meta import FXPAR_RANDOM
 
         out = super().run_node(n)
         if FXPAR_RANDOM in n.meta:
@@ -93,7 +93,7 @@ def test_manual_seed_makes_dropout_reproducible(pool2):
 
 
 class _DropMLP(torch.nn.Module):
-    """Dropout on the replicated input and inside the sharded hidden layer (passes/rng.py)."""
+    """Dropout on the replicated input and inside the sharded hidden layer (passes/tensor_parallel/rng.py)."""
 
     def __init__(self, h: int = 8):
         super().__init__()
@@ -105,12 +105,12 @@ class _DropMLP(torch.nn.Module):
 
 
 def test_golden_each_random_op_draws_from_its_placements_stream():
-    """passes/rng.py on rank 0 of t=2: the dropout of a replicated value draws from the tp group's shared stream, the
-    one inside the column-parallel region from this rank's own."""
+    """passes/tensor_parallel/rng.py on rank 0 of t=2: the dropout of a replicated value draws from the tp group's
+    shared stream, the one inside the column-parallel region from this rank's own."""
     from expecttest import TestCase
 
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
     from tests.golden import graph_text
 
     gm = build(_DropMLP(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),)).graph_module

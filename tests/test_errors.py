@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import fxpar
 from fxpar.api import build
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.trace import TraceError
 from tests.harness import module_pool
 from tests import models

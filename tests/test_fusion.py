@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 from fxpar.compiler import compile_graph
-from fxpar.measure import saved_activation_bytes
-from fxpar.passes.fusion import (
-    FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, fusion_pass, gelu_pass)
-from fxpar.passes.meta import resolve_inputs
+from fxpar.runtime.measure import saved_activation_bytes
+from fxpar.passes.fusion.driver import (FXPAR_FUSED, attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass,
+                                        fusion_pass, gelu_pass)
+from fxpar.passes.ir.meta import resolve_inputs
 from fxpar.trace import trace
 from tests import models
 from tests.harness import module_pool
@@ -219,7 +219,7 @@ def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     the errors against unfused, the fusions made, and the saved activation bytes (also "saved_unfused")."""
     import fxpar
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     model, args, kwargs = models.build(name)
     if eager_attention:

@@ -45,7 +45,7 @@ def test_the_generator_is_deterministic_and_varied():
 def test_the_fuzzer_catches_a_wrong_rewrite(monkeypatch):
     """Sabotage the tensor-parallel pass (the row-parallel all-reduce g becomes the identity f): the fuzzer must
     report a mismatch, not exact."""
-    import fxpar.passes.tp as tp
+    import fxpar.passes.tensor_parallel.rewrite as tp
 
     real = tp.call_comm
     monkeypatch.setattr(tp, "call_comm", lambda gm, kind, *a, **k: real(gm, "f" if kind == "g" else kind, *a, **k))

@@ -1,4 +1,4 @@
-"""passes/gemm_forms.py: every spelling of an activation times a weight parameter becomes linear or mm."""
+"""passes/frontend/gemm_forms.py: every spelling of an activation times a weight parameter becomes linear or mm."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import torch.nn as nn
 from expecttest import TestCase
 from torch.fx import GraphModule
 
-from fxpar.passes.gemm_forms import gemm_forms_pass
+from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.trace import trace
 from tests.models import sgd_gaps
 from tests.threaded import on_tp_ranks
@@ -60,7 +60,7 @@ def test_every_spelling_becomes_a_gemm_form_and_computes_the_same():
 
 
 def test_every_rewritten_node_keeps_the_origin_of_the_value_it_computes():
-    from fxpar.passes.meta import FXPAR_ORIGIN
+    from fxpar.passes.ir.meta import FXPAR_ORIGIN
 
     traced, gm, _ = _rewritten(Spellings(), torch.randn(2, 3, H))
     out = next(n for n in gm.graph.nodes if n.op == "output")

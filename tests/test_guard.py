@@ -39,7 +39,7 @@ class Model(torch.nn.Module):
 
 def test_a_user_file_under_a_folder_named_fxpar_is_the_users(tmp_path, monkeypatch):
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
     from fxpar.trace import TraceError
 
     folder = tmp_path / "fxpar" / "models"

@@ -1,12 +1,12 @@
-"""passes/in_place.py: f and g all-reduce in place only where the graph proves nothing else reads the tensor.
-Golden decisions on simulated ranks; the numerics of every model in the suite run through it (tests/test_tp_exact.py,
-test_pipeline_exact.py, ...)."""
+"""passes/tensor_parallel/in_place.py: f and g all-reduce in place only where the graph proves nothing else reads the
+tensor. Golden decisions on simulated ranks; the numerics of every model in the suite run through it
+(tests/test_tp_exact.py, test_pipeline_exact.py, ...)."""
 import torch
 import torch.nn as nn
 
 from fxpar.api import build
-from fxpar.passes.meta import comm_kind
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.ir.meta import comm_kind
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from expecttest import TestCase
 
 from tests import models

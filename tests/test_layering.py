@@ -16,7 +16,7 @@ STDLIB = set(sys.stdlib_module_names)
 def _imports(path: Path, tree=None):
     """(module imported, line) of every import in a file (or in `tree`, a part of it); relative imports resolved
     against its package, `from . import x` as the submodule x."""
-    package = {"fxpar": "fxpar", "passes": "fxpar.passes", "cost": "fxpar.cost"}[path.parent.name]
+    package = _module(path) if path.stem == "__init__" else _module(path).rpartition(".")[0]
     for node in ast.walk(tree or ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -35,25 +35,38 @@ def _imports(path: Path, tree=None):
                 yield name, node.lineno
 
 
+PACKAGES = {"fxpar": "fxpar", "passes": "fxpar.passes", "cost": "fxpar.cost"}
+
+
+def _module(path: Path) -> str:
+    """The dotted name a source file imports as (passes/sharding/rules.py -> fxpar.passes.sharding.rules)."""
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    if rest[-1] == "__init__":
+        rest = rest[:-1]
+    return ".".join([PACKAGES[folder], *rest])
+
+
 def _sources(folder: str):
-    return sorted((ROOT / folder).glob("*.py"))
+    """Every source file of a folder; the three code packages with their subpackages."""
+    pattern = "**/*.py" if folder in PACKAGES else "*.py"
+    return sorted(p for p in (ROOT / folder).glob(pattern) if "__pycache__" not in p.parts)
 
 
-@pytest.mark.parametrize("path", _sources("cost"), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _sources("cost"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_cost_imports_only_the_standard_library_and_itself(path):
     for name, line in _imports(path):
         top = name.split(".")[0]
-        assert top in STDLIB or name.startswith("fxpar.cost"), f"cost/{path.name}:{line} imports {name}"
+        assert top in STDLIB or name.startswith("fxpar.cost"), f"{path.relative_to(ROOT)}:{line} imports {name}"
 
 
-@pytest.mark.parametrize("path", _sources("passes"), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _sources("passes"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_passes_never_import_upward(path):
     for name, line in _imports(path):
         if name.startswith("fxpar"):
-            assert name.startswith(("fxpar.passes", "fxpar.cost")), f"passes/{path.name}:{line} imports {name}"
+            assert name.startswith(("fxpar.passes", "fxpar.cost")), f"{path.relative_to(ROOT)}:{line} imports {name}"
 
 
-@pytest.mark.parametrize("module", ["fxpar.cost", "fxpar.cli_schedule"])
+@pytest.mark.parametrize("module", ["fxpar.cost", "fxpar.cli.schedule_command"])
 def test_import_loads_no_torch(module):
     """The cost model is pure math; `fxpar schedule` builds, lowers and proves schedules without torch."""
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was imported'"
@@ -63,11 +76,11 @@ def test_import_loads_no_torch(module):
 def test_the_packages_resolve_from_a_plain_source_checkout(tmp_path):
     """Without the editable install's mapping (its finder removed): only the repository root on sys.path."""
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
-            "sys.path.insert(0, sys.argv[1]); import fxpar.passes.meta, fxpar.cost.pipeline; "
-            "print(fxpar.passes.meta.__file__, fxpar.cost.pipeline.__file__)")
+            "sys.path.insert(0, sys.argv[1]); import fxpar.passes.ir.meta, fxpar.cost.bubble; "
+            "print(fxpar.passes.ir.meta.__file__, fxpar.cost.bubble.__file__)")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT)], check=True, capture_output=True,
                          text=True, cwd=tmp_path).stdout
-    assert str(ROOT / "passes" / "meta.py") in out and str(ROOT / "cost" / "pipeline.py") in out
+    assert str(ROOT / "passes" / "ir" / "meta.py") in out and str(ROOT / "cost" / "bubble.py") in out
 
 
 def _code_files():
@@ -102,13 +115,12 @@ def test_no_import_cycles():
     once did, each closed by an import at the bottom of a module)."""
     import networkx as nx
 
-    package = {"fxpar": "fxpar", "passes": "fxpar.passes", "cost": "fxpar.cost"}
     graph = nx.DiGraph()
-    for folder, name in package.items():
+    for folder in PACKAGES:
         for path in _sources(folder):
             if path.stem == "__init__":
                 continue
-            me = f"{name}.{path.stem}"
+            me = _module(path)
             graph.add_node(me)
             for imported in _module_level_imports(path):
                 if imported.startswith("fxpar.") and imported != me:
@@ -117,16 +129,36 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_the_passes_index_names_every_module():
-    index = (ROOT / "passes" / "__init__.py").read_text()
-    missing = [p.name for p in _sources("passes") if p.stem != "__init__" and p.name not in index]
-    assert not missing, f"passes/__init__.py's docstring does not list {missing}"
+def _packages():
+    return [p.parent for folder in PACKAGES for p in _sources(folder) if p.name == "__init__.py"]
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_package_index_names_every_module_and_subpackage(package):
+    """A package's __init__ docstring is its index: it names each module (file.py) and subpackage (folder/)."""
+    index = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    parts = [p.name for p in package.glob("*.py") if p.stem != "__init__"]
+    parts += [f"{d.name}/" for d in package.iterdir() if (d / "__init__.py").is_file()]
+    missing = [name for name in sorted(parts) if name not in index]
+    assert not missing, f"{package.relative_to(ROOT)}/__init__.py's docstring does not list {missing}"
+
+
+def test_no_two_modules_share_a_name():
+    """Names say what a module holds: no module or subpackage name is used twice across fxpar/, passes/, cost/."""
+    names = {}
+    for folder in PACKAGES:
+        for path in _sources(folder):
+            name = path.parent.name if path.stem == "__init__" else path.stem
+            if path.parent != ROOT / folder or path.stem != "__init__":
+                names.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: where for name, where in names.items() if len(where) > 1}
+    assert not shared, shared
 
 
 def test_no_module_reads_the_executables_private_attributes():
-    """A rank's weights live in pm.weights (fxpar/weights.py RankWeights); the program cache, config, loss scaler
-    and distributed optimizer are properties. Only the executable's own classes touch its private attributes."""
-    own = {"executable.py", "pipeline.py"}
+    """A rank's weights live in pm.weights (fxpar/runtime/weights.py RankWeights); the program cache, config, loss
+    scaler and distributed optimizer are properties. Only the executable's own classes touch its private attributes."""
+    own = {"executable.py", "pipeline_executable.py"}
     found = []
     for path in _sources("fxpar"):
         if path.name in own:
@@ -136,8 +168,8 @@ def test_no_module_reads_the_executables_private_attributes():
                 holder = node.value
                 name = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", "")
                 if name == "pm":
-                    found.append(f"fxpar/{path.name}:{node.lineno} .{node.attr}")
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
                     and node.value.attr == "__dict__" and getattr(node.value.value, "id", "") == "pm":
-                found.append(f"fxpar/{path.name}:{node.lineno} pm.__dict__[...]")
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} pm.__dict__[...]")
     assert not found, found

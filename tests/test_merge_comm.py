@@ -1,16 +1,16 @@
-"""Fewer collectives (passes/merge_comm.py): partial sums that meet through linear ops close with one g, f's of one
-value become one; and what must not move stays put. Golden graphs on simulated ranks, numerics on threaded gloo
-ranks, the alias facts (passes/aliasing.py) on small graphs."""
+"""Fewer collectives (passes/tensor_parallel/merge_comm.py): partial sums that meet through linear ops close with one g,
+f's of one value become one; and what must not move stays put. Golden graphs on simulated ranks, numerics on threaded
+gloo ranks, the alias facts (passes/ir/aliasing.py) on small graphs."""
 import pytest
 import torch
 import torch.nn as nn
 from expecttest import TestCase
 
 from fxpar.api import build
-from fxpar.passes.comm_audit import per_layer
-from fxpar.passes.meta import FXPAR_SCALE, comm_kind
-from fxpar.passes.collectives import TPComm
-from fxpar.passes.aliasing import Storage, writes
+from fxpar.passes.sharding.comm_audit import per_layer
+from fxpar.passes.ir.meta import FXPAR_SCALE, comm_kind
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.ir.aliasing import Storage, writes
 from tests.golden import graph_text
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks

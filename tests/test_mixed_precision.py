@@ -1,4 +1,4 @@
-"""Mixed precision, Megatron's recipe (fxpar/precision.py): bf16 (and fp16 with loss scaling) compute, fp32 main
+"""Mixed precision, Megatron's recipe (fxpar/runtime/precision.py): bf16 (and fp16 with loss scaling) compute, fp32 main
 gradients accumulated across microbatches, fp32 main parameters stepped by the optimizer, the dp reduction in
 reduce_dtype; with tp, pp and the distributed optimizer.
 
@@ -51,7 +51,7 @@ class _Recipe:
     """The same recipe on one process (see the module docstring)."""
 
     def __init__(self, model, dtype, lr):
-        from fxpar.precision import cast_outputs
+        from fxpar.runtime.precision import cast_outputs
 
         self.model, self.cast = copy.deepcopy(model).to(dtype), cast_outputs
         self.main = [p.detach().float().clone().requires_grad_() for p in self.model.parameters()]
@@ -151,7 +151,7 @@ def _main_grads(m=4):
     both = torch.cat([ids, ids])  # each dp rank steps the same m microbatches: the dp mean of equal sums is exact
     pm.step(both, target=both)
     fp32, bf16 = {}, {}
-    from fxpar.precision import cast_outputs
+    from fxpar.runtime.precision import cast_outputs
 
     for x in ids.chunk(m):
         (_loss(cast_outputs(low(x)), x) / m).backward()
@@ -221,7 +221,7 @@ def test_autocast_around_a_fused_gpt():
     as recompute="selective" fuses it), and the gradients within bf16 rounding of the unfused program's (which
     equal eager autocast's exactly)."""
     import fxpar
-    from fxpar.passes.meta import FXPAR_FUSED
+    from fxpar.passes.ir.meta import FXPAR_FUSED
 
     model, args, _ = models.build("gpt")
     grads = []

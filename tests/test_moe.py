@@ -1,5 +1,5 @@
-"""Mixture-of-experts (passes/grouped_gemm.py): Hugging Face's grouped expert GEMM becomes fxpar::grouped_linear,
-bit for bit the same, and each expert's MLP is split column- then row-wise."""
+"""Mixture-of-experts (passes/frontend/grouped_gemm.py): Hugging Face's grouped expert GEMM becomes
+fxpar::grouped_linear, bit for bit the same, and each expert's MLP is split column- then row-wise."""
 from __future__ import annotations
 
 import copy
@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from fxpar.passes.gemm_forms import gemm_forms_pass
-from fxpar.passes.grouped_gemm import GROUPED_LINEAR
+from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
+from fxpar.passes.frontend.grouped_gemm import GROUPED_LINEAR
 from fxpar.trace import trace
 
 moe = pytest.importorskip("transformers.integrations.moe")

@@ -5,9 +5,9 @@ import torch.nn as nn
 from expecttest import TestCase
 
 from fxpar.api import build
-from fxpar.passes.collectives import TPComm
-from fxpar.passes.layers import find_layers
-from fxpar.passes.partition import balance, partition_pass
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.frontend.layers import find_layers
+from fxpar.passes.pipeline.partition import balance, partition_pass
 from tests import models
 from tests.golden import graph_text
 

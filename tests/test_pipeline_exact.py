@@ -71,10 +71,10 @@ def _ran_what_was_proven(name, p, v, m):
 def test_the_runtime_runs_the_proven_program(pool2):
     """A real (p=2, v=2) step: each rank executes exactly its proven action list, and the same proof the compiler
     runs accepts the lowered lists (with the chunks' boundaries) when checked again here."""
-    from fxpar.passes.lower_schedule import Program
-    from fxpar.passes.partition import Chunk
-    from fxpar.passes.proofs import prove
-    from fxpar.passes.schedules import parse_schedule
+    from fxpar.passes.pipeline.lower import Program
+    from fxpar.passes.pipeline.partition import Chunk
+    from fxpar.passes.pipeline.proofs import prove
+    from fxpar.passes.pipeline.schedules import parse_schedule
 
     results = pool2.run(_ran_what_was_proven, "gpt8", 2, 2, 4)
     for done, proven, program, boundaries, executed, pp_rank in results:

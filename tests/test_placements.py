@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fxpar.passes.placements import Shard, local_shard, unshard
-from fxpar.passes.reshape import ReshapeError, reshape_shard
+from fxpar.passes.ir.placements import Shard, local_shard, unshard
+from fxpar.passes.sharding.view_rules import ReshapeError, reshape_shard
 
 
 @pytest.mark.parametrize("spec,t", [

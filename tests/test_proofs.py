@@ -1,15 +1,15 @@
-"""The pipeline proofs (passes/proofs.py) in one process: the programs the compiler lowers pass, and each kind of
-broken program is refused with every rank's actions printed and the failing step marked."""
+"""The pipeline proofs (passes/pipeline/proofs.py) in one process: the programs the compiler lowers pass, and each kind
+of broken program is refused with every rank's actions printed and the failing step marked."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fxpar.passes.lower_schedule import Program, lower_program
-from fxpar.passes.partition import BoundaryValue, Chunk
-from fxpar.passes.placements import Partial, Replicate, Shard
-from fxpar.passes.proofs import ProofError, format_program, prove
-from fxpar.passes.schedules import Action, build_schedule, parse_schedule
+from fxpar.passes.pipeline.lower import Program, lower_program
+from fxpar.passes.pipeline.partition import BoundaryValue, Chunk
+from fxpar.passes.ir.placements import Partial, Replicate, Shard
+from fxpar.passes.pipeline.proofs import ProofError, format_program, prove
+from fxpar.passes.pipeline.schedules import Action, build_schedule, parse_schedule
 from tests.test_schedules import GRID
 
 

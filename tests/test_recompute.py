@@ -18,10 +18,10 @@ from expecttest import TestCase
 
 from fxpar.cost.memory import activation_bytes_per_layer
 from fxpar.cost.shape import ModelShape
-from fxpar.measure import saved_activation_bytes
-from fxpar.passes.fusion import fusion_pass
-from fxpar.passes.meta import FXPAR_RECOMPUTE, resolve_inputs
-from fxpar.passes.recompute import Checkpointed, recompute_pass
+from fxpar.runtime.measure import saved_activation_bytes
+from fxpar.passes.fusion.driver import fusion_pass
+from fxpar.passes.ir.meta import FXPAR_RECOMPUTE, resolve_inputs
+from fxpar.passes.fusion.recompute import Checkpointed, recompute_pass
 from fxpar.trace import trace
 from tests import models
 from tests.harness import module_pool
@@ -144,7 +144,7 @@ def recompute_matrix(name: str, t: int, **gpt_overrides) -> dict:
     number of checkpointed regions. `gpt_overrides` builds the example GPT with those GPTConfig fields instead."""
     import fxpar
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     if gpt_overrides:
         from gpt import factory
@@ -167,7 +167,7 @@ def recompute_matrix(name: str, t: int, **gpt_overrides) -> dict:
             gm = recompute_pass(fx.GraphModule(base, copy.deepcopy(base.graph)), mode)
             pm.compiled.callables[0] = gm
             torch.manual_seed(3)
-            pm.manual_seed(3)  # the random streams dropout draws from (passes/rng.py)
+            pm.manual_seed(3)  # the random streams dropout draws from (passes/tensor_parallel/rng.py)
             runs[mode] = _step(pm, args, kwargs)
             regions = sum(1 for n in gm.graph.nodes if FXPAR_RECOMPUTE in n.meta)
             loss, grads, saved, counts = runs[mode]

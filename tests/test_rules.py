@@ -1,4 +1,5 @@
-"""Unit tests of the sharding rules of passes/rules.py, one rule at a time: placement in, Decision (or a refusal) out.
+"""Unit tests of the sharding rules of passes/sharding/rules.py, one rule at a time: placement in, Decision (or a
+refusal) out.
 
 Each test exports a tiny function or module with torch.export (non-strict, as fxpar's frontend does), so the nodes
 carry the ATen overloads the rules register and fake-tensor metadata with global shapes. It then places the inputs
@@ -19,10 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.passes import rules
-from fxpar.passes.placements import Partial
-from fxpar.passes.rule_table import rule_for
-from fxpar.passes.rules import Decision, Indivisible, NoRule
+from fxpar.passes.sharding import rules
+from fxpar.passes.ir.placements import Partial
+from fxpar.passes.sharding.rule_table import rule_for
+from fxpar.passes.sharding.rules import Decision, Indivisible, NoRule
 from tests.rule_helpers import MAX, Graph, R, S, aten, ctx, export
 
 

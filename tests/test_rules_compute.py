@@ -1,6 +1,6 @@
-"""Unit tests of the sharding rules of passes/rules.py that compute over dims: softmax, reductions, norms, SDPA,
-batched matmul and GEMMs with a weight parameter. Placement in, Decision (or a refusal) out; see tests/test_rules.py
-for how the graphs are made.
+"""Unit tests of the sharding rules of passes/sharding/rules.py that compute over dims: softmax, reductions, norms,
+SDPA, batched matmul and GEMMs with a weight parameter. Placement in, Decision (or a refusal) out; see
+tests/test_rules.py for how the graphs are made.
 
 The tests at the end pin corners that once went wrong (an argument read by position, a dtype donor scattered, a
 sharded weight operand, a mask scattered twice).
@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.passes import rules
-from fxpar.passes.rule_table import rule_for
-from fxpar.passes.rules import Decision, Indivisible, NoRule, Role
+from fxpar.passes.sharding import rules
+from fxpar.passes.sharding.rule_table import rule_for
+from fxpar.passes.sharding.rules import Decision, Indivisible, NoRule, Role
 from tests.rule_helpers import R, S, aten, ctx, export
 
 

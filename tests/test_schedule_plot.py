@@ -1,4 +1,4 @@
-"""The schedule chart (fxpar/plot.py) and `fxpar schedule --png`: what the figure holds, the PNG it writes, and the
+"""The schedule chart (fxpar/cli/plot.py) and `fxpar schedule --png`: what the figure holds, the PNG it writes, and the
 error when matplotlib is missing."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 import pytest
 from matplotlib.image import imread
 
-from fxpar.passes.schedules import build_schedule
-from fxpar.passes.simulate import simulate
-from fxpar.plot import MatplotlibMissing, save_schedule_png, schedule_figure
+from fxpar.passes.pipeline.schedules import build_schedule
+from fxpar.passes.pipeline.simulate import simulate
+from fxpar.cli.plot import MatplotlibMissing, save_schedule_png, schedule_figure
 
 from tests.test_simulate import run_cli
 

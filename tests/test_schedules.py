@@ -9,10 +9,10 @@ from fractions import Fraction
 
 import pytest
 
-from fxpar.passes.lower_schedule import lower, lower_program, p2p_streams
-from fxpar.passes.proofs import prove
-from fxpar.passes.schedules import (
-    KINDS, Action, build_schedule, validate_actions, format_schedule, parse_schedule, peak_in_flight, schedule_shape)
+from fxpar.passes.pipeline.lower import lower, lower_program, p2p_streams
+from fxpar.passes.pipeline.proofs import prove
+from fxpar.passes.pipeline.schedules import (KINDS, Action, build_schedule, validate_actions, format_schedule,
+                                             parse_schedule, peak_in_flight, schedule_shape)
 
 
 def grid():

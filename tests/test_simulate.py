@@ -9,10 +9,10 @@ from fractions import Fraction
 
 import pytest
 
-from fxpar import cli_schedule
-from fxpar.passes.lower_schedule import lower
-from fxpar.passes.schedules import Action, build_schedule, parse_schedule
-from fxpar.passes.simulate import DeadlockError, check_deadlock_free, format_result, render_grid, simulate
+from fxpar.cli import schedule_command as cli_schedule
+from fxpar.passes.pipeline.lower import lower
+from fxpar.passes.pipeline.schedules import Action, build_schedule, parse_schedule
+from fxpar.passes.pipeline.simulate import DeadlockError, check_deadlock_free, format_result, render_grid, simulate
 
 from tests.test_schedules import GRID
 

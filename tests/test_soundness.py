@@ -234,7 +234,7 @@ def _perturbed_replica():
     import torch.distributed as dist
 
     import fxpar
-    from fxpar.replicas import ReplicaError
+    from fxpar.runtime.replicas import ReplicaError
 
     model, args, kwargs = models.build("gpt")
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args)
@@ -305,7 +305,7 @@ class Hooked(Reversed):
                                           (Hooked(), "tensor.register_hook")])
 def test_autograd_a_trace_would_drop_is_refused(model, needle):
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
     from fxpar.trace import TraceError
 
     with pytest.raises(TraceError, match=rf"{needle}.*test_soundness.py:\d+.*gradients would silently differ"):
@@ -335,7 +335,7 @@ class LibraryOp(Reversed):
 
 def test_a_registered_custom_op_keeps_its_backward():
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     model, x = LibraryOp(), torch.randn(2, 16)
     reference = copy.deepcopy(model)
@@ -360,7 +360,7 @@ class FailsInNoGrad(nn.Module):
 
 def test_a_failing_call_leaks_no_grad_mode():
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     pm = build(FailsInNoGrad(), TPComm(0, 1), (torch.randn(3, 4), torch.tensor([0, 1])))
     with pytest.raises(IndexError):

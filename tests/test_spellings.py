@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpar.api import build
-from fxpar.passes.comm_audit import per_layer
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.sharding.comm_audit import per_layer
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks
 

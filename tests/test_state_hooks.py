@@ -1,10 +1,11 @@
 """A model whose state-dict hooks rename its keys (a fused wqkv saved as wq, wk, wv): sharded and exact, and its own
-spelling honoured by full_state_dict, load_state_dict and checkpoints ([Note: state-dict hooks] in fxpar/weights.py)."""
+spelling honoured by full_state_dict, load_state_dict and checkpoints ([Note: state-dict hooks] in
+fxpar/runtime/weights.py)."""
 import pytest
 import torch
 import torch.nn as nn
 
-from fxpar.weights import tensor_keys
+from fxpar.runtime.weights import tensor_keys
 from tests.models import Stack, sgd_gaps
 from tests.harness import module_pool
 from tests.threaded import on_tp_ranks

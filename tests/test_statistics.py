@@ -1,5 +1,6 @@
-"""Statistics over the sharded dim ([Note: partial statistics] in passes/tp.py): a mean or sum over all heads or all
-intermediate features keeps its region sharded, as each rank's partial sum all-reduced (`stat`), exactly."""
+"""Statistics over the sharded dim ([Note: partial statistics] in passes/tensor_parallel/rewrite.py): a mean or sum over
+all heads or all intermediate features keeps its region sharded, as each rank's partial sum all-reduced (`stat`),
+exactly."""
 from __future__ import annotations
 
 import pytest
@@ -68,7 +69,7 @@ class Stacked(nn.Module):
 
 
 def _measure(pm, reference, x):
-    from fxpar.passes.meta import FXPAR_COMM
+    from fxpar.passes.ir.meta import FXPAR_COMM
 
     fwd, params = sgd_gaps(pm, reference, (x,))
     share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())

@@ -1,6 +1,7 @@
-"""passes/tp.py (the tensor-parallel rewrite) and passes/local_shapes.py, as golden graphs: a simulated rank 0 of
-t=2, every node with its placement and this rank's shape. The numerics of the rewrite are tests/test_tp_exact.py's
-and the fuzzer's; the edge cases (refusals) are tests/test_analysis.py's and tests/test_errors.py's."""
+"""passes/tensor_parallel/rewrite.py (the tensor-parallel rewrite) and passes/tensor_parallel/local_shapes.py, as golden
+graphs: a simulated rank 0 of t=2, every node with its placement and this rank's shape. The numerics of the rewrite are
+tests/test_tp_exact.py's and the fuzzer's; the edge cases (refusals) are tests/test_analysis.py's and
+tests/test_errors.py's."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import torch.nn as nn
 from expecttest import TestCase
 
 from fxpar.api import build
-from fxpar.passes.collectives import TPComm
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from tests.golden import graph_text
 
 H = 8

@@ -22,7 +22,7 @@ def _errors(name: str, t: int):
     """Max |difference| of the forward output and of every parameter after one SGD step."""
     import fxpar
     from fxpar.api import build
-    from fxpar.passes.collectives import TPComm
+    from fxpar.passes.tensor_parallel.collectives import TPComm
 
     model, args, kwargs = models.build(name)
     reference = copy.deepcopy(model)

@@ -40,7 +40,7 @@ def test_two_nodes_on_loopback():
 
 
 def test_fxpar_run_any_ptdv():
-    out = subprocess.run([sys.executable, "-m", "fxpar.cli", "run", "--standalone", "--nproc-per-node", "4",
+    out = subprocess.run([sys.executable, "-m", "fxpar.cli.main", "run", "--standalone", "--nproc-per-node", "4",
                           "examples/train_gpt.py", "--tp", "2", "--pp", "2", *SMALL], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -51,8 +51,8 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     """A rank SIGKILLed at step 7 of 12 under torchrun --max-restarts 1 (through fxpar run): the restarted workers
     load the step-5 checkpoint and end with the uninterrupted run's final loss, to the last bit (fp32, same
     layout)."""
-    def train(*extra):  # fxpar run: torchrun, with the restart-safe rendezvous store (fxpar/cli_run.py)
-        out = subprocess.run([sys.executable, "-m", "fxpar.cli", "run", "--standalone", "--nproc-per-node", "2",
+    def train(*extra):  # fxpar run: torchrun, with the restart-safe rendezvous store (fxpar/cli/run_command.py)
+        out = subprocess.run([sys.executable, "-m", "fxpar.cli.main", "run", "--standalone", "--nproc-per-node", "2",
                               "--max-restarts", "1", "examples/train_gpt.py", "--tp", "2", "--precision", "fp32",
                               "--steps", "12", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "8",
                               "--save-every", "5", *extra],

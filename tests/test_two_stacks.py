@@ -123,7 +123,7 @@ def test_cross_attention_is_one_region_with_two_inputs():
     """[Note: regions with two inputs] BART's decoder cross-attention: queries from the decoder, keys and values
     from the encoder's output (one seed group over both layers): each layer's q, k and v are column-parallel."""
     from fxpar.api import build
-    from fxpar.passes.tp import TPComm
+    from fxpar.passes.tensor_parallel.rewrite import TPComm
 
     torch.manual_seed(0)
     model, args, kwargs = _bart()
@@ -137,7 +137,7 @@ def test_cross_attention_is_one_region_with_two_inputs():
 
 
 def test_the_layer_sequence_runs_both_stacks_in_order():
-    from fxpar.passes.layers import find_layers
+    from fxpar.passes.frontend.layers import find_layers
     from fxpar.trace import trace
 
     model, args, kwargs = _t5()

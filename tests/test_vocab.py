@@ -1,4 +1,5 @@
-"""passes/vocab_analysis.py: the token embedding is found by structure (its ids are a model input), not by size."""
+"""passes/sharding/vocab_analysis.py: the token embedding is found by structure (its ids are a model input), not by
+size."""
 from __future__ import annotations
 
 import torch

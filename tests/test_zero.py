@@ -121,12 +121,12 @@ def test_without_zero_it_is_the_plain_optimizer():
 
 
 def _measured_state_bytes(name, t, precision, zero):
-    """(bytes measured by fxpar.optim.state_bytes after one AdamW step, the cost model's bytes for this rank)."""
+    """(bytes measured by fxpar.runtime.optim.state_bytes after one AdamW step, the cost model's bytes for this rank)."""
     import fxpar
     from fxpar.cost.memory import state_bytes
-    from fxpar.optim import state_bytes as measure
-    from fxpar.optim import trainable
-    from fxpar.zero import piece_size
+    from fxpar.runtime.optim import state_bytes as measure
+    from fxpar.runtime.optim import trainable
+    from fxpar.runtime.zero import piece_size
 
     model, args, kwargs = models.build(name)
     d = 2 // t

@@ -1,7 +1,7 @@
 # Fuzz seed 100822 (before the fix): a row-parallel GEMM's output (lin23, its bias added after g) read by a later
 # region that wants it sharded: the scatter was inserted on the GEMM node, whose readers the pass had already
 # moved to g + bias, so the reader kept the full tensor. Fix: a row GEMM's g (+bias) is recorded as its
-# replacement, like the vocab lookup (passes/tp.py).
+# replacement, like the vocab lookup (passes/tensor_parallel/rewrite.py).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

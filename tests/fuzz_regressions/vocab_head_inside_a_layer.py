@@ -1,6 +1,6 @@
 # Fuzz seed 99 (before the fix): a layer GEMM with V = H output features, left free by its refused region, was
 # taken for the LM head; its all-gathered output then entered a sharded residual region scattered from the local shard.
-# Fix: an untied LM head is a GEMM whose logits reach the output (passes/vocab_analysis.py).
+# Fix: an untied LM head is a GEMM whose logits reach the output (passes/sharding/vocab_analysis.py).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

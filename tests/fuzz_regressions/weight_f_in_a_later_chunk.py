@@ -1,6 +1,6 @@
 # Fuzz seed 100055 (before the fix): f of a per-head weight (layers.1.w13) read only by layer 1, inserted right
 # before its reader, was given to the last chunk by position: at p=2 it had to cross the boundary backwards.
-# Fix: a node that reads only graph inputs goes with its first reader (passes/partition.py).
+# Fix: a node that reads only graph inputs goes with its first reader (passes/pipeline/partition.py).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -1,0 +1,281 @@
+"""The per-rank executable: the compiled programs plus this rank's local weights.
+
+Its parameters are registered under the original model's names (`transformer.h.0.attn.c_attn.weight`), holding the
+local shards, so any torch.optim optimizer works on them. Tied parameters are one Parameter here too. Every call
+reads the weights the module holds now (fxpar/runtime/weights.py), resolves the graph's inputs from their GraphInput
+records ([Note: one resolver] in passes/ir/meta.py), runs the program compiled for the current mode and non-tensor
+arguments ([Note: the program includes its context] in fxpar/runtime/program_cache.py), and restores grad mode, autocast
+and the random generators if it raises.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpar.runtime.clip import clip_grad_norm_
+from fxpar.compiler import Compiled, canonical_keys
+from fxpar.guard import preserve_global_state
+from fxpar.runtime.optim import MainParamsOptimizer, trainable
+from fxpar.passes.ir.meta import resolve_inputs
+from fxpar.passes.tensor_parallel.collectives import TPComm
+from fxpar.passes.ir.placements import local_shard, unshard
+from fxpar.passes.sharding.plan import Plan, WeightShard, make_plan
+from fxpar.runtime.precision import Grads, LossScaler
+from fxpar.runtime.program_cache import Programs, describe_mismatch
+from fxpar.runtime.replicas import check_replicas
+from fxpar.runtime.weights import (RankWeights, check_state, from_model_spelling, has_state_hooks, load_full_or_local,
+                                   tensor_keys, to_model_spelling)
+
+
+def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
+    *path, leaf = key.split(".")
+    mod = root
+    for p in path:
+        if p not in mod._modules:
+            mod.add_module(p, nn.Module())
+        mod = mod._modules[p]
+    return mod, leaf
+
+
+class ParallelModule(nn.Module):
+    """`pm(*args)` returns what `model(*args)` returns; its parameters are this rank's shards."""
+
+    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None, mesh=None):
+        """used_keys: the state keys this rank's chunks read (a pipeline stage holds only its own); None: all."""
+        super().__init__()
+        self.__dict__["_programs"] = Programs(compiled, model.training)
+        self.comm: TPComm = compiled.target.comm
+        self.__dict__["streams"] = compiled.target.streams
+        originals = dict(model.named_parameters(remove_duplicate=False))
+        originals.update(dict(model.named_buffers(remove_duplicate=False)))
+        aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
+        keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
+        self.__dict__["_spelling"] = model if has_state_hooks(model) else None  # whose hooks spell the state
+        specs = {aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
+        owned = None if used_keys is None else {aliases[k] for k in used_keys}
+        slots, unloaded = {}, set()
+        for key, reg in aliases.items():
+            if key != reg or (owned is not None and key not in owned):
+                continue
+            tensor = originals[key]
+            local = tensor.detach()
+            if key in specs:
+                local = local_shard(local, specs[key], self.comm.rank, self.comm.size)
+            if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
+                local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
+                unloaded.add(key)
+            holder, leaf = _holder(self, key)
+            if isinstance(tensor, nn.Parameter):
+                holder.register_parameter(leaf, nn.Parameter(local.clone(), requires_grad=tensor.requires_grad))
+            else:
+                holder.register_buffer(leaf, local.clone(), persistent=key in keys)
+            slots[key] = (holder, leaf)
+        self.__dict__["weights"] = RankWeights(
+            tuple(keys), aliases, {k: tuple(originals[k].shape) for k in keys}, specs,
+            {key: slots[reg] for key, reg in aliases.items() if reg in slots}, unloaded)
+        self.train(model.training)
+        self.__dict__["replica_groups"] = _replica_groups(mesh)
+        mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/runtime/precision.py
+        self.weights.grads = Grads(list(trainable(self).values()), main=mp is not None)
+        if mp is not None and mp.loss_scale is not None:
+            device = next((t.device for t in self.held().values()), torch.device("cpu"))
+            self.__dict__["_scaler"] = LossScaler(mp.loss_scale, device)
+        self.plan: Plan | None = None
+        self.__dict__["_planned"] = compiled  # the program pm.plan describes
+
+    # ---- programs -----------------------------------------------------------------------------------------------
+    @property
+    def specs(self) -> dict:
+        """Registered key -> how its tensor is sharded over tp (absent: replicated): pm.weights.specs."""
+        return self.weights.specs
+
+    @property
+    def config(self):
+        """The fxpar.Config this executable was compiled with."""
+        return self._programs.first.config
+
+    @property
+    def programs(self) -> Programs:
+        """The compiled programs, by mode and non-tensor arguments (fxpar/runtime/program_cache.py)."""
+        return self._programs
+
+    @property
+    def zero_optimizer(self):
+        """Config(zero=1): the distributed optimizer pm.optimizer made (fxpar/runtime/zero.py), or None."""
+        return self.__dict__.get("_zero")
+
+    @property
+    def scaler(self):
+        """fp16's loss scaler (fxpar/runtime/precision.py LossScaler), or None."""
+        return self.__dict__.get("_scaler")
+
+    @property
+    def compiled(self) -> Compiled:
+        """The program for the current mode and the traced example's arguments."""
+        first = self._programs.first
+        return self.program_for(first.traced.example_inputs, first.traced.with_loss)
+
+    @property
+    def traced(self):
+        return self._programs.first.traced
+
+    @property
+    def graph_module(self):
+        """What runs the whole graph of the current program (without a pipeline: its one chunk)."""
+        return self.compiled.callables[0]
+
+    def program_for(self, flat: list, with_loss: bool = False) -> Compiled:
+        """The program for the current mode and these flat inputs: the model's own call, or (with_loss) the loss
+        traced with the model, whose inputs end with the target's ([Note: the loss is traced] in fxpar/trace.py)."""
+        return self._programs.get(self.training, flat, self.weights.live, self._buffer_values, with_loss)
+
+    def make_plan(self, program: Compiled) -> Plan:
+        """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
+        partition = program.partition if program.target.pipelined else None
+        return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
+                         program.traced.loss_note, program.tp_graph)
+
+    def _buffer_values(self) -> dict:
+        """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
+        return {k: holder._buffers[leaf] for k, (holder, leaf) in self.weights.slots.items()
+                if leaf in holder._buffers}
+
+    def check_weights(self, program: Compiled, chunks=None) -> None:
+        """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
+        `chunks`, or all of them), or if a weight built on the meta device was never loaded."""
+        self.check_loaded()
+        for chunk in program.partition.chunks if chunks is None else chunks:
+            check_state(self.weights.live, program.expected_state[chunk.index])
+
+    def check_loaded(self, what: str = "would run on garbage") -> None:
+        """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""
+        w = self.weights
+        unloaded = [k for k in w.keys if w.aliases.get(k) in w.unloaded]
+        if unloaded:
+            raise RuntimeError(
+                f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
+                f"({unloaded[0]}, ...) hold no values yet, so it {what}. Fix: fill them first with "
+                "fxpar.load(checkpoint, pm), or pm.load_state_dict(full_state_dict).")
+
+    def flatten_inputs(self, args, kwargs) -> list:
+        """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
+        example, want = self._programs.example(with_loss=False)
+        flat, spec = self.traced.flatten(args, kwargs)
+        if spec != want:
+            raise ValueError(f"fxpar: {describe_mismatch((example, want), args, kwargs)}. The parallel program was "
+                             "traced with the example's arguments. Fix: call with the same arguments as "
+                             "example_args/example_kwargs, or parallelize again with a matching example.")
+        self.traced.check_shapes(flat, example=example)
+        return flat
+
+    def chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
+        """The values of `chunk`'s placeholders: this rank's weights, constants, user inputs, received values."""
+        constants = (program or self._programs.first).traced.constants
+        return resolve_inputs(chunk.inputs, self.weights.live, constants, flat_user, received)
+
+    def graph_inputs(self, flat_user: list) -> list:
+        """The inputs of the whole (unpartitioned) graph of the current program."""
+        program = self.program_for(flat_user)
+        return self.chunk_inputs(program.partition.chunks[0], flat_user, program=program)
+
+    def forward(self, *args, **kwargs):
+        with preserve_global_state():
+            flat = self.flatten_inputs(args, kwargs)
+            program = self.program_for(flat)
+            self.check_weights(program)
+            chunk = program.partition.chunks[0]
+            out = program.callables[0](*self.chunk_inputs(chunk, flat, program=program))
+            return pytree.tree_unflatten(list(out), program.traced.out_spec)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load the original model's state (full tensors under its keys: each is sharded to this rank) or this
+        rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped. The model's
+        own spelling of its state (its load pre-hooks: [Note: state-dict hooks] in fxpar/runtime/weights.py) is taken
+        too."""
+        if self._spelling is not None and not set(state_dict) <= set(self.weights.aliases):
+            state_dict = from_model_spelling(self._spelling, state_dict)
+        return load_full_or_local(self, state_dict, strict, assign)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart this rank's random streams from `seed` ([Note: random streams] in passes/tensor_parallel/rng.py);
+        call it with the same seed on every rank."""
+        self.streams.manual_seed(seed)
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """Each tensor this rank holds, once, under the key it is registered under (tied keys are one entry)."""
+        w = self.weights
+        return {key: w.live[key] for key in w.held_keys() if w.aliases[key] == key}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """torch.nn.utils.clip_grad_norm_ over the whole (p, t, d) model: every gradient counted once (sharded
+        parts summed over tp, replicated and tied weights once); returns the total norm. Call it after step()
+        (which all-reduces over dp) or a backward of pm(x), before the optimizer step. Collective."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def optimizer(self, optimizer_cls, **kwargs):
+        """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with mixed
+        precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
+        group (fxpar/runtime/optim.py, fxpar/runtime/zero.py). Make it before the first step()."""
+        self.check_loaded("would copy garbage into the optimizer's main parameters")
+        config = self.config
+        if not config.zero:
+            if config.mixed_precision is None:
+                return optimizer_cls(self.parameters(), **kwargs)
+            return MainParamsOptimizer(self, optimizer_cls, **kwargs)
+        if not hasattr(self, "groups"):
+            raise ValueError("fxpar: Config(zero=1) reduce-scatters the gradients inside step(): parallelize with a "
+                             "loss_fn and a mesh, and train with pm.step(...)")
+        from fxpar.runtime.zero import DistributedOptimizer
+
+        self.__dict__["_zero"] = DistributedOptimizer(self, optimizer_cls, **kwargs)
+        return self._zero
+
+    def check_replicas(self, grads: bool = False) -> None:
+        """Raise fxpar.runtime.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""
+        check_replicas(self, grads)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """What model.state_dict() of the unmodified model returns: full tensors under its keys, tied keys included,
+        in the model's own spelling (its state-dict hooks run: [Note: state-dict hooks]). Collective over the tp
+        group (and the pp group of a pipeline: every rank receives the whole dict)."""
+        full = self.full_tensors()
+        return full if self._spelling is None else to_model_spelling(self._spelling, full)
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors under their parameter and buffer keys, tied keys included (collective over the tp group).
+
+        On a pipeline stage, only the keys the stage holds."""
+        full, w = {}, self.weights
+        for key in w.held_keys():
+            reg = w.aliases[key]
+            if reg not in full:
+                local = w.live[key].detach()
+                spec = w.specs.get(reg)
+                full[reg] = unshard(self.comm.all_gather(local), spec) if spec else local.clone()
+            full[key] = full[reg]
+        return full
+
+    def weight_shards(self) -> list[WeightShard]:
+        w = self.weights
+        return [WeightShard(key, w.shapes[key], str(w.spec(key)) if w.spec(key) else "R", tuple(w.live[key].shape))
+                for key in w.held_keys()]  # another pipeline stage's keys are its own
+
+
+def _replica_groups(mesh) -> dict:
+    """The groups across which this rank's weights have replicas: tp (for replicated weights) and dp (for all)."""
+    if mesh is None or not dist.is_initialized():
+        return {}
+    return {"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}
+
+
+def tp_comm(mesh) -> TPComm:
+    """This rank's tensor-parallel context from a (pp, dp, tp) mesh."""
+    if mesh is None or not dist.is_initialized():
+        return TPComm(rank=0, size=1)
+    group = mesh.get_group("tp")
+    return TPComm(rank=mesh.get_local_rank("tp"), size=mesh.size(mesh.mesh_dim_names.index("tp")), group=group)
+

@@ -1,0 +1,234 @@
+"""The pipeline-parallel executable: this rank's chunks, its weights, its proven program, and `step()`.
+
+`pm.step(*global_batch, target=...)` takes this dp rank's slice of the global batch, cuts it into m microbatches,
+runs the rank's lowered program (fxpar.runtime.interpreter interprets it), all-reduces the gradients of parameters
+shared between stages (tied embeddings) and over the dp group, and returns the batch's mean loss on every rank. The
+optimizer then steps on `pm.parameters()`: only after the flush, so training stays strictly synchronous.
+Everything here comes from the compiler's record: the chunks, the program and its proof (fxpar/compiler.py), one
+record per mode and non-tensor arguments ([Note: the program includes its context] in fxpar/runtime/program_cache.py),
+all cut into the same chunks, so this stage holds the same weights whichever runs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from fxpar.runtime.executable import ParallelModule
+from fxpar.guard import preserve_global_state
+from fxpar.mesh import scatter_gather_wanted
+from fxpar.runtime.optim import trainable
+from fxpar.passes.ir.meta import PARAMETER
+from fxpar.runtime.program_cache import describe_mismatch
+from fxpar.runtime.interpreter import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
+from fxpar.runtime.weights import tensor_keys
+
+
+def mesh_groups(mesh) -> Groups:
+    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
+    p, d, t = mesh.mesh.shape
+    stage_ranks = [int(mesh.mesh[q, dp_rank, tp_rank]) for q in range(p)]
+    device = torch.device(mesh.device_type)
+    return Groups(pp_rank, p, tp_rank, t, d, dp_rank, stage_ranks, mesh.get_group("tp"), mesh.get_group("dp"),
+                  mesh.get_group("pp"), device)
+
+
+class _Pieces(list):
+    """The m microbatch pieces of one leaf of the target (a list that is not part of the target's structure)."""
+
+
+class Stage:
+    """One pipeline rank's view of one compiled program: its chunks, how to run one, and the loss."""
+
+    def __init__(self, pm: "PipelineModule", program):
+        self.pm, self.program = pm, program
+        self.chunks = {c.index: c for c in program.partition.chunks if c.index % pm.groups.pp == pm.groups.pp_rank}
+
+    def run_chunk(self, chunk, received: list, flat_user: list) -> list:
+        inputs = self.pm.chunk_inputs(chunk, flat_user, received, self.program)
+        return list(self.program.callables[chunk.index](*inputs))
+
+    def loss(self, outs: list, target) -> torch.Tensor:
+        """The microbatch's loss: the last chunk's output when the loss was traced with the model ([Note: the loss
+        is traced] in fxpar/trace.py), else loss_fn called on the model's gathered output."""
+        if self.program.traced.with_loss:
+            return outs[0]
+        return self.pm.loss_fn(pytree.tree_unflatten(outs, self.program.traced.out_spec), target)
+
+
+class PipelineModule(ParallelModule):
+    """A ParallelModule that holds only its pipeline stage's chunks and weights; train it with step()."""
+
+    def __init__(self, model, compiled, mesh, loss_fn):
+        groups = mesh_groups(mesh)
+        partition = compiled.partition
+        mine = [c for c in partition.chunks if c.index % groups.pp == groups.pp_rank]
+        used = {gi.key for c in mine for gi in c.inputs if gi.is_state}
+        if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
+            read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
+            used |= set(tensor_keys(model)) - read
+        super().__init__(model, compiled, used_keys=used, mesh=mesh)
+        self.__dict__.update(groups=groups, loss_fn=loss_fn,
+                             scatter_gather=scatter_gather_wanted(compiled.config.scatter_gather, mesh))
+        self._programs.loss_fn = loss_fn
+        self._tied = self._tied_groups(mesh, partition)
+        self.replica_groups["tied"] = self._tied
+        self.stats = Stats()
+        self._steps = 0
+
+    @property
+    def partition(self):
+        return self.compiled.partition
+
+    @property
+    def chunks(self) -> dict:
+        return Stage(self, self.compiled).chunks
+
+    @property
+    def program(self):
+        return self.compiled.program
+
+    def _tied_groups(self, mesh, partition) -> dict[str, object]:
+        """Parameters read on several pipeline ranks: key -> the group of their owners ([Note: pipeline ownership])."""
+        p, d, t = mesh.mesh.shape
+        owners: dict[str, set[int]] = {}
+        for c in partition.chunks:
+            for gi in c.inputs:
+                if gi.kind == PARAMETER:
+                    owners.setdefault(self.weights.aliases[gi.key], set()).add(c.index % p)
+        out = {}
+        for key, stages in sorted(owners.items()):
+            if len(stages) < 2:
+                continue
+            for dp_i in range(d):  # every rank creates every group, in the same order
+                for tp_i in range(t):
+                    ranks = [int(mesh.mesh[q, dp_i, tp_i]) for q in sorted(stages)]
+                    group = dist.new_group(ranks)
+                    if dist.get_rank() in ranks:
+                        out[key] = group
+        return out
+
+    def forward(self, *args, **kwargs):
+        if self.groups.pp > 1:
+            raise RuntimeError(
+                "fxpar: with pipeline parallelism (pp > 1) the model runs as a schedule over all stages: "
+                "call pm.step(*global_batch, target=...) instead of pm(...)."
+            )
+        with preserve_global_state():
+            flat = self.flatten_inputs(args, kwargs)
+            stage = Stage(self, self.program_for(flat))
+            self.check_weights(stage.program, stage.chunks.values())
+            received = []
+            for i in sorted(stage.chunks):  # every chunk is on this rank: hand each one's outputs to the next
+                received = stage.run_chunk(stage.chunks[i], received, flat)
+            return pytree.tree_unflatten(received, stage.program.traced.out_spec)
+
+    def _microbatches(self, args, kwargs, target) -> list[tuple[list, list, object]]:
+        """This dp rank's m microbatches of the global batch: (model inputs, inputs with the target, target) each,
+        flat ([Note: the loss is traced] in fxpar/trace.py)."""
+        g, m = self.groups, self.config.microbatches
+        example, want = self._programs.example(with_loss=False)
+        flat, spec = self.traced.flatten(args, kwargs)
+        if spec != want:
+            raise ValueError(f"fxpar step: {describe_mismatch((example, want), args, kwargs)}; pass step() the same "
+                             "arguments as "
+                             "the traced example (keyword arguments included), with tensors of dp*m times its rows")
+
+        def split(x):
+            if not isinstance(x, torch.Tensor):
+                return [x] * m
+            if x.shape[0] % (g.dp * m):
+                raise ValueError(
+                    f"fxpar step: global batch {x.shape[0]} is not divisible by dp*microbatches = {g.dp}*{m} = "
+                    f"{g.dp * m}; use a batch that is a multiple of {g.dp * m}"
+                )
+            return list(x.chunk(g.dp, dim=0)[g.dp_rank].chunk(m, dim=0))
+
+        pieces = [split(x) for x in flat]
+        micro = [[p[i] for p in pieces] for i in range(m)]
+        rows = next((x.shape[0] for x in example if isinstance(x, torch.Tensor)), 1)
+        self.traced.check_shapes(micro[0], "fxpar step (one microbatch)",
+                                 f" per microbatch: a global batch of dp*m*{rows} = {g.dp * m * rows} rows", example)
+        targets = pytree.tree_map(lambda x: _Pieces(split(x)), target)
+        targets = [pytree.tree_map(lambda pieces: pieces[i], targets, is_leaf=lambda x: isinstance(x, _Pieces))
+                   for i in range(m)]
+        out = []
+        for inputs, tgt in zip(micro, targets):
+            args_i, kwargs_i = pytree.tree_unflatten(inputs, want)
+            out.append((inputs, self.traced.flatten(args_i, kwargs_i, tgt)[0], tgt))
+        return out
+
+    def step(self, *args, target, **kwargs) -> torch.Tensor:
+        """One batch forward and backward over the pipeline; returns the batch's mean loss on every rank."""
+        with preserve_global_state():
+            micro = self._microbatches(args, kwargs, target)
+            if self._programs.example_target is None:  # no example_target: the first step's traces the loss
+                self._programs.example_target = micro[0][2]
+            program = self.program_for(micro[0][1], with_loss=True)
+            if not program.traced.with_loss:  # the loss_fn could not be traced: the model's program, then loss_fn
+                program = self.program_for(micro[0][0])
+            if program is not self._planned:
+                self._planned, self.plan = program, self.make_plan(program)
+            stage = Stage(self, program)
+            self.check_weights(stage.program, stage.chunks.values())
+            inputs = [with_target if program.traced.with_loss else model for model, with_target, _ in micro]
+            return self._step(stage, inputs, [tgt for _, _, tgt in micro])
+
+    def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
+        self.stats = Stats()
+        p2p = P2P(self.groups, stage.program.program, self.scatter_gather, self.stats)
+        zero = self.zero_optimizer
+        if self.config.zero and zero is None:
+            raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
+                             "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
+                             "...) before the first step.")
+        mp, scaler = self.config.mixed_precision, self.scaler
+        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self.weights.grads,
+                              zero, mp.reduce_dtype if mp is not None else None)
+        loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
+                       scaler.scale if scaler is not None else None).run(micro, targets)
+        for key, group in self._tied.items():
+            grad = self.weights.grads.get(self.weights.live[key]) if zero is None else zero.main[key].grad
+            if grad is not None:
+                dist.all_reduce(grad, group=group)
+        if scaler is not None:  # unscale the main gradients; an overflow anywhere skips the optimizer's step
+            grads = zero.grads().values() if zero is not None else \
+                [self.weights.grads.get(p) for p in trainable(self).values()]
+            scaler.unscale([g for g in grads if g is not None])
+        loss = loss.clone()
+        if self.groups.pp > 1:
+            dist.all_reduce(loss, group=self.groups.pp_group)  # only the last stage's is non-zero
+        if self.groups.dp > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp
+        if self.config.trace_dir:
+            write_chrome_trace(os.path.join(self.config.trace_dir, f"rank{dist.get_rank()}.json"),
+                               self.stats, dist.get_rank())
+        self._steps += 1
+        if self.config.check_replicas_every and self._steps % self.config.check_replicas_every == 0:
+            self.check_replicas()
+        return loss
+
+    def _chunk_params(self, stage: Stage) -> dict[int, list]:
+        out = {}
+        for c in stage.chunks.values():
+            keys = {self.weights.aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
+            out[c.index] = [self.weights.live[k] for k in sorted(keys) if self.weights.live[k].requires_grad]
+        return out
+
+    @torch.no_grad()
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors under their keys, gathered over tp and pp; every rank receives the whole dict."""
+        mine = super().full_tensors()
+        if self.groups.pp == 1:
+            return mine
+        parts = [None] * self.groups.pp
+        dist.all_gather_object(parts, mine, group=self.groups.pp_group)
+        full = {}
+        for part in parts:
+            for k, v in part.items():
+                full.setdefault(k, v)
+        return {k: full[k] for k in self.weights.keys}
+

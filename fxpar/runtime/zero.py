@@ -1,0 +1,121 @@
+"""The optimizer of a parallelized model: plain, or Megatron's distributed optimizer (ZeRO-1) over the dp group.
+
+`pm.optimizer(torch.optim.AdamW, lr=...)` wraps any torch.optim class. Without `Config(zero=1)` it is that class
+over the rank's own parameters. With it, each data-parallel rank owns 1/d of every parameter:
+
+    gradients   reduce-scattered over dp in the step's buckets (the rank receives the mean of its pieces only), as
+                soon as a bucket is final, overlapped with the rest of the backward (fxpar/runtime/interpreter.py
+                GradBuckets)
+    main        the rank's pieces, fp32 copies, are the tensors in the optimizer's param_groups: it steps 1/d of the
+                parameters and keeps 1/d of the optimizer state (Adam's moments: 8 bytes/param become 8/d)
+    parameters  after the optimizer's step, the updated pieces are all-gathered over dp, one collective per step
+
+[Note: pieces]
+    Parameter p (n elements, flattened) is cut into d pieces of ceil(n/d) elements, the last one padded: dp rank r
+    owns piece r. Every dp rank cuts alike (the same stage and tp rank hold the same shapes), so a bucket laid out
+    rank-major (piece 0 of each of its parameters, then piece 1, ...) is reduce-scattered into exactly the pieces
+    each rank owns, and one all-gather of every rank's pieces rebuilds the parameters. Exact: a piece's gradient is
+    the dp mean the all-reduce would give, and elementwise optimizers (SGD, Adam, AdamW, ...) step each element from
+    its own gradient and state. Optimizers that couple elements across a tensor (LAMB's or LARS's per-tensor norms,
+    Adafactor's factored moments) would see pieces, not tensors: they are refused.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fxpar.runtime.optim import WrappedOptimizer, trainable
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Adadelta", "NAdam", "RAdam", "ASGD", "Rprop")
+
+
+def piece_size(n: int, d: int) -> int:
+    return math.ceil(n / d) if n else 0
+
+
+def pieces(flat: torch.Tensor, d: int) -> list[torch.Tensor]:
+    """The d pieces of a flat tensor ([Note: pieces]), the last padded with zeros."""
+    size = piece_size(flat.numel(), d)
+    padded = torch.nn.functional.pad(flat, (0, size * d - flat.numel()))
+    return list(padded.view(d, size).unbind(0)) if size else [flat.new_zeros(0)] * d
+
+
+class DistributedOptimizer(WrappedOptimizer):
+    """Megatron's distributed optimizer over `pm`'s dp group (see the module docstring); use it like the torch
+    optimizer it wraps: zero_grad(), then pm.step(...), optionally pm.clip_grad_norm_(...), then step()."""
+
+    def __init__(self, pm, optimizer_cls, **kwargs):
+        if optimizer_cls.__name__ not in ELEMENTWISE:
+            raise ValueError(
+                f"fxpar: Config(zero=1) steps each rank's 1/d pieces of the parameters, which is exact only for "
+                f"elementwise optimizers ({', '.join(ELEMENTWISE)}); {optimizer_cls.__name__} is not one of them. "
+                "Fix: use one of those, or Config(zero=0)."
+            )
+        g = pm.groups
+        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.weights.grads
+        self.main = {k: torch.nn.Parameter(pieces(p.detach().reshape(-1).float(), self.d)[self.r].clone())
+                     for k, p in trainable(pm).items()}
+        super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
+        self._key_of = {p: k for k, p in self.params.items()}
+        dtypes = {p.dtype for p in self.params.values()}
+        self._gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # bf16 parameters: gather bf16
+
+    # ---- what the step's buckets call ([Note: pieces]) ---------------------------------------------------------
+    def layout(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The rank-major flat gradient of a bucket of parameters, to reduce-scatter."""
+        cut = [pieces(self.grads_of.get(p).reshape(-1), self.d) for p in params]
+        return torch.cat([c[q] for q in range(self.d) for c in cut])
+
+    def receive(self, params: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """This rank's reduce-scattered pieces of a bucket (sums over dp): their mean joins the main gradients, and
+        the parameters' local gradients are freed."""
+        offset = 0
+        for p in params:
+            main = self.main[self._key_of[p]]
+            n = main.numel()
+            piece = mine[offset:offset + n].to(main.dtype) / self.d
+            main.grad = piece if main.grad is None else main.grad + piece
+            offset += n
+            self.grads_of.set(p, None)
+
+    # ---- the torch.optim interface -----------------------------------------------------------------------------
+    def grads(self) -> dict[str, torch.Tensor]:
+        """key -> this rank's main gradient pieces (what clipping measures and scales)."""
+        return {k: m.grad for k, m in self.main.items() if m.grad is not None}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            self.grads_of.set(p, None)
+        self.optimizer.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("fxpar: the distributed optimizer takes no closure (pm.step computes the loss)")
+        stray = [k for k, p in self.params.items() if self.grads_of.get(p) is not None]
+        if stray:
+            raise RuntimeError(f"fxpar: {stray[0]} has a gradient that pm.step() did not reduce-scatter (a backward "
+                               "outside step()?). With Config(zero=1), compute gradients with pm.step().")
+        if self._skip():
+            return
+        self.optimizer.step()
+        params = list(self.params.values())
+        for p, full in zip(params, self.gather(list(self.main.values()), params, self._gather_dtype)):
+            p.copy_(full.to(p.dtype))
+
+    def gather(self, mine: list[torch.Tensor], like: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's pieces of tensors shaped like `like`, all-gathered over dp in one collective (in `dtype`):
+        the whole tensors ([Note: pieces]). The step rebuilds the parameters with it, checkpoints the state."""
+        flat = torch.cat([m.detach().reshape(-1) for m in mine]).to(dtype)
+        everyone = torch.empty(self.d * flat.numel(), dtype=flat.dtype, device=flat.device)
+        if self.d > 1:
+            dist.all_gather_single(everyone, flat, group=self.group)
+        else:
+            everyone.copy_(flat)
+        rows, out, offset = everyone.view(self.d, -1), [], 0
+        for m, p in zip(mine, like):
+            out.append(rows[:, offset:offset + m.numel()].reshape(-1)[:p.numel()].view(p.shape))
+            offset += m.numel()
+        return out

@@ -1,0 +1,8 @@
+"""The shared IR: what every pass reads and writes besides the fx graph itself.
+
+    meta.py           typed node metadata: GraphInput records, placement / collective / fusion tags, one resolver;
+                      the collective kinds (Comm) and their one table
+    placements.py     Replicate, Partial, Shard (with the head-interleaved layout)
+    aliasing.py       which values may share storage and which ops write into it (from the ops' schemas)
+    op_families.py    the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...)
+"""

@@ -1,0 +1,77 @@
+"""The sharding rules by op: one table, built once from the rule families of passes/sharding/rules.py and the losses' of
+passes/sharding/loss_rules.py (so neither module fills the other's registry, and neither imports the other back).
+
+    rule_for(node)   the rule of the node's op family, or None (the analysis then refuses the sharding)
+
+An OpOverloadPacket in a row stands for all its overloads, an OpOverload for itself only.
+"""
+from __future__ import annotations
+
+import operator
+from types import MappingProxyType
+
+import torch
+from torch.fx import Node
+
+from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, elementwise,
+                                         expand, gemm, getitem, like_input, norm, permute, reduction, reshape_as, sdpa,
+                                         select, slice_, softmax, split, squeeze, stack, transpose, unsqueeze, view)
+from fxpar.passes.sharding.loss_rules import LOSS_RULES
+
+aten = torch.ops.aten
+
+FAMILIES = (  # (rule, ops it covers)
+    (elementwise, (
+        aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.masked_fill, aten.clamp,
+        aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.silu, aten.gelu, aten.relu, aten.erf, aten.rsqrt, aten.sqrt,
+        aten.sin, aten.cos, aten.abs, aten.square, aten.reciprocal, aten._to_copy, aten.contiguous,
+        aten.clone, aten.alias, aten.dropout, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge,
+        aten.logical_not, aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__,
+        aten.leaky_relu, aten.elu, aten.hardtanh, aten.softplus, aten.mish, aten.detach, aten.lift_fresh_copy,
+        aten.maximum, aten.minimum, aten.rsub, aten.addcmul, aten.expm1, aten.log1p, aten.sign, aten.floor,
+        aten.ceil, aten.round, aten.trunc, aten.hardsigmoid, aten.hardswish, aten.logical_xor, aten.fmod,
+        aten.remainder,
+        aten.min.other, aten.max.other,  # min(a, b) / max(a, b); not min.dim (indices)
+        aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,  # not where(cond)
+        aten.to.dtype, aten.to.dtype_layout, aten.to.device,  # not to(other)
+    )),
+    (like_input, (aten.type_as.default, aten.to.other)),
+    (view, (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+            aten.flatten.using_ints)),  # not view(dtype): it reinterprets bits
+    (expand, (aten.expand,)),
+    (complex_view, (aten.view_as_complex, aten.view_as_real)),
+    (transpose, (aten.transpose,)),
+    (permute, (aten.permute,)),
+    (unsqueeze, (aten.unsqueeze,)),
+    (squeeze, (aten.squeeze,)),
+    (select, (aten.select,)),
+    (slice_, (aten.slice,)),
+    (split, (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)),
+    (getitem, (operator.getitem,)),
+    (cat, (aten.cat,)),
+    (stack, (aten.stack,)),
+    (softmax, (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)),
+    (reduction, (aten.mean, aten.sum, aten.amax, aten.amin, aten.var)),
+    (along_dim, (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.topk.default,
+                 aten.sort.default, aten.sort.stable, aten.cumsum.default)),
+    (reshape_as, (aten.reshape_as.default,)),
+    (norm, (aten.layer_norm, aten.rms_norm)),
+    (sdpa, (aten.scaled_dot_product_attention,)),
+    (batched_matmul, (aten.matmul, aten.bmm)),
+    (gemm, tuple(GEMM_WEIGHT_ARG)),
+    *((rule, (op,)) for op, rule in LOSS_RULES.items()),
+)
+
+
+def _overloads(op) -> list:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+RULES = MappingProxyType({overload: rule for rule, ops in FAMILIES for op in ops for overload in _overloads(op)})
+
+
+def rule_for(node: Node):
+    """The rule of this node's op family, or None (the analysis then refuses the sharding)."""
+    return RULES.get(node.target) if node.op == "call_function" else None

@@ -1,0 +1,169 @@
+"""The ops that the tensor-parallel pass inserts: Megatron's f and g, gather and scatter, the vocab embedding.
+
+Each is an nn.Module so that the rewritten graph calls it as `self.tp_g_0(x)`: the module holds the explicit
+communication context (process group, rank, size); there is no global state. Collectives go through
+torch.distributed, so torch's CommDebugMode counts them. On fake or meta tensors (shape propagation) they move no
+data: the result has the shape the real collective would give. The call nodes are tagged with their kind
+(meta[FXPAR_COMM], passes/ir/meta.py), which is how every later pass recognises them.
+
+    f        identity forward, all-reduce backward   (enters a region: the input's gradient is a per-rank partial)
+    g        all-reduce forward, identity backward   (leaves a region: sums the row-parallel partial outputs)
+    gather   all-gather forward, local block backward (LM head logits)
+    scatter  local block forward, all-gather backward (a replicated operand that a region needs one block of)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from fxpar.passes.ir.placements import Shard, local_shard, unshard
+
+
+@dataclass
+class TPComm:
+    """Who this rank is in its tensor-parallel group. group=None simulates the rank (shapes only, no numerics)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.group is None and self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1 or self.simulated or _shape_only(x):
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.simulated or _shape_only(x):
+            return [x] * self.size
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(out, x, group=self.group)
+        return out
+
+
+def _shape_only(x: torch.Tensor) -> bool:
+    """A fake or meta tensor: only its shape is computed, so a collective on it moves nothing."""
+    return isinstance(x, FakeTensor) or x.device.type == "meta"
+
+
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, in_place=False):
+        ctx.comm, ctx.in_place = comm, in_place
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad if ctx.in_place else grad.clone()), None, None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, in_place=False):
+        if in_place and x.is_contiguous() and not x._is_view():  # a view: a hook's wrapper (CommDebugMode's)
+            ctx.mark_dirty(x)  # the output is x itself, reduced: later in-place ops on it are ordinary ones
+            return comm.all_reduce(x)
+        return comm.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return local_shard(x, spec, comm.rank, comm.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unshard(ctx.comm.all_gather(grad), ctx.spec), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return unshard(comm.all_gather(x), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return local_shard(grad, ctx.spec, ctx.comm.rank, ctx.comm.size), None, None
+
+
+class _TPModule(nn.Module):
+    """A module that holds its rank's communication context; the graph calls it like an op. `in_place`: the
+    all-reduce may write into the tensor it is given (passes/tensor_parallel/in_place.py proved nothing else reads
+    it)."""
+
+    def __init__(self, comm: TPComm):
+        super().__init__()
+        self.comm, self.in_place = comm, False
+
+
+class CopyToTP(_TPModule):
+    """f: enters a tensor-parallel region."""
+
+    def forward(self, x):
+        return _F.apply(x, self.comm, self.in_place)
+
+
+class ReduceFromTP(_TPModule):
+    """g: leaves a tensor-parallel region by summing the partial outputs of a row-parallel GEMM."""
+
+    def forward(self, x):
+        return _G.apply(x, self.comm, self.in_place)
+
+
+class ScatterToTP(_TPModule):
+    """This rank's block of a replicated tensor, laid out like Shard(dim, parts, pre, post)."""
+
+    def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _Scatter.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
+
+
+class GatherFromTP(_TPModule):
+    """The full tensor from every rank's block along `dim` (the LM head's logits)."""
+
+    def forward(self, x, dim: int):
+        dim = dim % x.dim()
+        return _Gather.apply(x, self.comm, Shard(dim, (x.shape[dim] * self.comm.size,)))
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Look up the ids in this rank's rows of the vocabulary, zero the rest, and all-reduce (g)."""
+
+    def forward(self, weight, ids, *rest):
+        rows = weight.shape[0]
+        _check_ids(ids, rows * self.comm.size)
+        start = self.comm.rank * rows
+        outside = (ids < start) | (ids >= start + rows)
+        local = (ids - start).masked_fill(outside, 0)
+        pad = rest[0] if rest else -1  # aten.embedding's padding_idx only masks the gradient of that row
+        pad = pad - start if start <= pad < start + rows else -1
+        out = torch.ops.aten.embedding(weight, local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _G.apply(out, self.comm)
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:
+    """Raise as aten.embedding (or the loss) does for an id outside [0, vocab): each rank would see it as another
+    rank's row and the all-reduce would silently return zeros. On an accelerator the check is asynchronous."""
+    if _shape_only(ids):
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"fxpar: a {what} is outside the vocabulary [0, {vocab})")
+    elif bad.any():
+        raise IndexError(f"fxpar: {what} {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
+                         "(index out of range, as the unparallelized op would say)")
