@@ -48,6 +48,8 @@ from fxpar.passes.pipeline.schedules import build_schedule
 from fxpar.passes.pipeline.simulate import SimResult
 from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
 from fxpar.passes.sharding.vocab_analysis import vocab_analysis
+from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_analysis
+from fxpar.passes.tensor_parallel.sequence_parallel import sequence_parallel_pass
 from fxpar.trace import TraceError, Traced, trace
 from fxpar.runtime.weights import expected_state
 
@@ -86,6 +88,7 @@ class Compiled:
     traced: Traced | None = None  # trace: the unmodified program, the reference
     gm: GraphModule | None = None  # the working graph, as the graph passes leave it
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
+    sequence: SequenceAnalysis | None = None  # sequence_analysis: what runs on sequence blocks between regions
     tp_graph: GraphModule | None = None  # keep_tp_graph: the graph right after tensor parallelism (for verify)
     partition: Partition | None = None  # the chunks (one chunk, the whole graph, without a pipeline)
     schedule: dict | None = None  # the compute schedule of every pp rank (pipelined only)
@@ -163,6 +166,21 @@ def _merge_comm(c: Compiled) -> GraphModule:
 
 def _local_shapes(c: Compiled) -> GraphModule:
     return local_shapes_pass(c.gm, c.specs, c.target.comm.size) if c.analysis.decisions else c.gm
+
+
+def _sequence_analysis(c: Compiled) -> SequenceAnalysis:
+    if not c.config.sequence_parallel:
+        return SequenceAnalysis(c.target.comm.size)
+    return sequence_analysis(c.gm, c.target.comm.size, param_nodes(c.gm))
+
+
+def _sequence_parallel(c: Compiled) -> GraphModule:
+    return sequence_parallel_pass(c.gm, c.sequence, c.target.comm)
+
+
+def _sequence_shapes(c: Compiled) -> GraphModule:
+    """The placeholders hold this rank's shapes already (local_shapes): nothing more to shard on them."""
+    return local_shapes_pass(c.gm, {}, c.target.comm.size) if c.sequence.applied else c.gm
 
 
 def _keep_tp_graph(c: Compiled) -> GraphModule:
@@ -263,6 +281,9 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("tensor_parallel", "gm", _tensor_parallel),  # f/g, local view shapes, vocab-parallel embedding and head
     ("merge_comm", "gm", _merge_comm),  # g moved past linear ops, two partial sums one g; f's of one value one f
     ("local_shapes", "gm", _local_shapes),  # this rank's fake value on every node
+    ("sequence_analysis", "sequence", _sequence_analysis),  # the sequence dim; ops token-wise between regions
+    ("sequence_parallel", "gm", _sequence_parallel),  # g -> reduce-scatter, f -> all-gather, ops on sequence blocks
+    ("sequence_shapes", "gm", _sequence_shapes),  # this rank's fake values again, on sequence blocks
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
     ("state_values", "state_values", _state_values),  # buffer values the fusions may prove masks from
     ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)

@@ -19,6 +19,9 @@ class Config:
     # where a pipeline link joins two hosts and tp stays on one (fxpar/mesh.py pipeline_crosses_hosts)
     # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion/driver.py)
     fuse: bool = True
+    # between regions, norms, dropout and residual adds run on 1/t of the tokens: g -> reduce-scatter, f -> all-gather
+    # along the sequence (passes/sharding/sequence_analysis.py)
+    sequence_parallel: bool = False
     recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
@@ -43,6 +46,8 @@ class Config:
             raise ValueError(f"Config: {e}") from None
         if self.scatter_gather not in (True, False, "auto"):
             raise ValueError(f"Config.scatter_gather must be True, False or 'auto', got {self.scatter_gather!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"Config.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if self.bucket_mb <= 0:

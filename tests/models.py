@@ -40,12 +40,16 @@ BUILDERS = {
     "gpt": lambda: _gpt(),
     "encoder_pre_ln": lambda: _encoder(True),
     "encoder_post_ln": lambda: _encoder(False),
+    "encoder_seq_first": lambda: _encoder(True, batch_first=False),  # activations [s, b, h]
     "gpt2": lambda: _causal(_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, n_positions=32,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
     "llama": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=4, **LLAMA_LIKE)),
     "llama_gqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
     "llama_mqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1, **LLAMA_LIKE)),
     "qwen2": lambda: _causal(_hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
+    "qwen3": lambda: _causal(_hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8,
+                                 **LLAMA_LIKE)),  # QK-norm: an RMSNorm over each head's features
+    "t5": lambda: _t5(),
     "mistral": lambda: _causal(_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
     "phi3": lambda: _causal(_hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, pad_token_id=0,
                                 **LLAMA_LIKE)),
@@ -80,14 +84,24 @@ def _gpt(layers: int = 2):
     return model, args, {}
 
 
-def _encoder(norm_first: bool):
+def _encoder(norm_first: bool, batch_first: bool = True):
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    x = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1))
+    shape = (BATCH, SEQ, 32) if batch_first else (SEQ, BATCH, 32)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     return model, (x,), {}
+
+
+def _t5():
+    model = _hf("T5Config", "T5ForConditionalGeneration", d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                num_decoder_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                **HF_COMMON)
+    g = torch.Generator().manual_seed(2)
+    return model, (_ids(),), {"decoder_input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+                              "use_cache": False}
 
 
 def _bert():

@@ -15,7 +15,8 @@ from tests import models
 def test_the_stage_list_is_the_whole_compiler():
     assert [name for name, _, _ in STAGES] == [
         "trace", "working_copy", "merge_aliases", "drop_asserts", "view_as", "cross_entropy", "gemm_forms",
-        "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "keep_tp_graph",
+        "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "sequence_analysis",
+        "sequence_parallel", "sequence_shapes", "keep_tp_graph",
         "state_values", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "gelu", "assumed",
         "random_streams", "recompute", "in_place",
         "partition", "schedule", "lower", "prove", "compile", "expected_state"]

@@ -75,7 +75,7 @@ def on_ranks(fn, world: int, timeout_s: float) -> dict:
     return results
 
 
-def parallelize_traced(model, traced, args: tuple, kwargs: dict | None = None, tp: int = 2):
+def parallelize_traced(model, traced, args: tuple, kwargs: dict | None = None, tp: int = 2, config=None):
     """fxpar.parallelize at tp, reusing a trace made once before the rank threads start (torch.export is not
     thread-safe: two ranks tracing at once can trip over each other's fake mode)."""
     import fxpar
@@ -83,10 +83,11 @@ def parallelize_traced(model, traced, args: tuple, kwargs: dict | None = None, t
     from fxpar.runtime.executable import tp_comm
 
     mesh = fxpar.init_mesh(tp=tp)
-    return build(model, tp_comm(mesh), args, kwargs or {}, mesh, traced=traced)
+    return build(model, tp_comm(mesh), args, kwargs or {}, mesh, config=config, traced=traced)
 
 
-def on_tp_ranks(model, args: tuple, per_rank, kwargs: dict | None = None, tp: int = 2, timeout_s: float = 60.0):
+def on_tp_ranks(model, args: tuple, per_rank, kwargs: dict | None = None, tp: int = 2, timeout_s: float = 60.0,
+                config=None):
     """[per_rank(pm, reference) for every rank]: the model traced once, each rank parallelizing its own copy at tp
     (`reference` is an unmodified copy of it), inside one threaded process group. A rank that raised fails the
     caller with its traceback."""
@@ -97,7 +98,7 @@ def on_tp_ranks(model, args: tuple, per_rank, kwargs: dict | None = None, tp: in
 
     def rank(r):
         reference = copy.deepcopy(copies[r])
-        return per_rank(parallelize_traced(copies[r], traced, args, kwargs, tp), reference)
+        return per_rank(parallelize_traced(copies[r], traced, args, kwargs, tp, config), reference)
 
     with Threaded():
         results = on_ranks(rank, tp, timeout_s)

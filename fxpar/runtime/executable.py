@@ -135,7 +135,7 @@ class ParallelModule(nn.Module):
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
         partition = program.partition if program.target.pipelined else None
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
-                         program.traced.loss_note, program.tp_graph)
+                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()))
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""

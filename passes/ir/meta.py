@@ -55,6 +55,9 @@ class Comm(str, Enum):
     VOCAB_CROSS_ENTROPY = "vocab_cross_entropy"
     VOCAB_LOGSUMEXP = "vocab_logsumexp"
     VOCAB_GATHER = "vocab_gather"
+    SEQ_GATHER = "seq_gather"  # f under sequence parallelism (passes/tensor_parallel/sequence_parallel.py)
+    SEQ_REDUCE_SCATTER = "seq_reduce_scatter"  # g under sequence parallelism
+    VOCAB_EMBEDDING_SEQ = "vocab_embedding_seq"  # the vocab-parallel lookup, reduce-scattered along the sequence
 
     __str__ = str.__str__  # prints as its name, in f-strings too
     __format__ = str.__format__
@@ -86,6 +89,9 @@ COMM_TABLE = {
     Comm.VOCAB_LOGSUMEXP: CommInfo("vocab-parallel logsumexp (max + sum all-reduces per token)", "small",
                                    vocab=True),
     Comm.VOCAB_GATHER: CommInfo("vocab-parallel gather (sum all-reduce per token)", "small", vocab=True),
+    Comm.SEQ_GATHER: CommInfo("all-gather along the sequence (reduce-scatter in backward)", "backward"),
+    Comm.SEQ_REDUCE_SCATTER: CommInfo("reduce-scatter along the sequence (all-gather in backward)", "forward"),
+    Comm.VOCAB_EMBEDDING_SEQ: CommInfo("vocab lookup + reduce-scatter along the sequence", "small", vocab=True),
 }
 
 PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY = "parameter", "buffer", "constant", "user", "boundary"

@@ -9,4 +9,5 @@
     vocab_analysis.py    the vocab-parallel embedding and LM head (one shard of the vocabulary)
     plan.py              every decision as data, with a printable table
     comm_audit.py        each layer's collectives in the rewritten graph against Megatron's 2 + 2
+    sequence_analysis.py sequence parallelism: which dim is the sequence (a probe), what runs on its blocks
 """

@@ -109,7 +109,7 @@ def _differentiable_inputs(n: Node) -> list[Node]:
     return [a for a in n.all_input_nodes if a is not skip]
 
 
-def _grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
+def grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
     """Nodes that can carry a gradient: floating tensors downstream of parameters or float inputs."""
     out = set()
     for n in gm.graph.nodes:
@@ -138,7 +138,7 @@ def _seed_spec(gemm: Node, t: int) -> Shard:
     return Shard(gemm.meta["val"].dim() - 1, tuple(parts))
 
 
-def _describe(n: Node) -> str:
+def describe(n: Node) -> str:
     return f"{n.name} (module {module_path(n) or '<root>'})"
 
 
@@ -165,7 +165,7 @@ def _row_spec(gemm: Node, s: Shard) -> dict[Node, Shard]:
     return {gemm.args[w_idx]: Shard(w_in_dim, s.parts, s.pre, s.post)}
 
 
-def _is_sharded(p) -> bool:
+def is_sharded(p) -> bool:
     return isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(o, Shard) for o in p))
 
 
@@ -210,13 +210,13 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
         if n.op == "output":
             raise NoRule("a sharded value reaches the model output")
         if n in frozen:
-            raise NoRule(f"{_describe(n)} was already decided by the region of {frozen[n]}: one decision per node")
+            raise NoRule(f"{describe(n)} was already decided by the region of {frozen[n]}: one decision per node")
         rule = rule_for(n)
         if rule is None:
             raise NoRule(f"{n.name}: no sharding rule for {n.target}")
-        d = _apply(rule, n, ctx)
+        d = apply_rule(rule, n, ctx)
         for inp, how in d.enter.items():
-            if _is_sharded(ctx.placements.get(inp)):
+            if is_sharded(ctx.placements.get(inp)):
                 raise NoRule(f"{n.name}: would read the sharded {inp.name} as replicated")
             if how is not None and rule is elementwise and inp in activations and \
                     how.dim == len(ctx.shape(inp)) - 1:
@@ -226,7 +226,7 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
         if d.role is Role.ROW:
             x = n.args[GEMM_WEIGHT_ARG[n.target][1]]
             specs.update(_row_spec(n, ctx.placements[x]))
-        elif _is_sharded(d.out):
+        elif is_sharded(d.out):
             push_users(n)
 
 
@@ -244,7 +244,7 @@ def _shard_scattered_params(decisions: dict[Node, Decision], ctx: Ctx) -> dict[N
     return specs
 
 
-def _apply(rule, n: Node, ctx: Ctx) -> Decision:
+def apply_rule(rule, n: Node, ctx: Ctx) -> Decision:
     """rule(n, ctx); a rule that fails on input it did not expect refuses (never guess), naming itself."""
     try:
         return rule(n, ctx)
@@ -280,7 +280,7 @@ def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[No
                 groups.setdefault(_activation_root(n.args[x_idx]), []).append(n)
             else:
                 refused.append(Region(module_path(n), [], replicated=[n.name], modules={n.name: module_path(n)},
-                                      reason=f"weight {w.name} is also read by {_describe(other)}"))
+                                      reason=f"weight {w.name} is also read by {describe(other)}"))
     return groups, refused
 
 
@@ -319,8 +319,8 @@ def _check_widths(got: dict[Node, Decision], subset, x: Node) -> None:
         seeds = {s for s in subset if s in _upstream_in(r, got)}
         if out <= max(contracted, width) or not seeds:
             continue
-        names = ", ".join(_describe(s) for s in sorted(seeds, key=lambda s: s.name))
-        raise WideRow(f"{names} stays replicated: as a region with {_describe(r)}, that row-parallel GEMM would "
+        names = ", ".join(describe(s) for s in sorted(seeds, key=lambda s: s.name))
+        raise WideRow(f"{names} stays replicated: as a region with {describe(r)}, that row-parallel GEMM would "
                       f"all-reduce {out} values per token, more than the {width} the region reads and the "
                       f"{contracted} it contracts (a low-rank pair); its up-projection reads it replicated instead",
                       seeds)
@@ -384,7 +384,7 @@ def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: se
             for inp, how in d.enter.items():
                 g = _producer(inp, candidates) if how is not None else None
                 if g is not None and g not in seeds and g not in frozen and g not in tried \
-                        and not _is_sharded(placements.get(_seed_input(g))):
+                        and not is_sharded(placements.get(_seed_input(g))):
                     yield g
 
     tried: set[Node] = set()
@@ -416,8 +416,8 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 continue
             region = Region(module_path(seeds[0]), [], modules={s.name: module_path(s) for s in seeds})
             first_error = None
-            sharded = [s for s in seeds if _is_sharded(placements.get(_seed_input(s)))]
-            if sharded or _is_sharded(placements.get(x)):  # a seed's input must be proven Replicate
+            sharded = [s for s in seeds if is_sharded(placements.get(_seed_input(s)))]
+            if sharded or is_sharded(placements.get(x)):  # a seed's input must be proven Replicate
                 inp = _seed_input(sharded[0]) if sharded else x
                 first_error = f"input {inp.name} of {', '.join(s.name for s in seeds)} is sharded ({placements[inp]})"
                 seeds_to_try = []
@@ -455,7 +455,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             region.replicated = [s.name for s in seeds if s.name not in region.columns]
             region.reason = first_error or ""
             regions.append(region)
-    return Analysis(t, placements, decisions, param_specs, regions, _grad_nodes(gm, params))
+    return Analysis(t, placements, decisions, param_specs, regions, grad_nodes(gm, params))
 
 
 def weight_specs(analysis: Analysis) -> dict[str, Shard]:

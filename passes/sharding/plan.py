@@ -26,6 +26,7 @@ class Plan:
     stages: tuple[tuple[int, int, tuple[int, ...], tuple[str, ...]], ...] = ()  # (chunk, pp rank, layers, sends)
     logits: str = ""  # what becomes of the LM head's logits: gathered (why), or kept sharded into the loss ops
     comm: tuple[LayerComm, ...] = ()  # each layer's collectives against Megatron's 2 + 2 (passes/sharding/comm_audit.py)
+    sequence: tuple[str, ...] = ()  # what sequence parallelism did, and where it gathered why (SequenceAnalysis.lines)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -87,13 +88,14 @@ class Plan:
             f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
         )
         text += f"\n\nlogits: {self.logits}" if self.logits else ""
+        text += "\n\n" + "\n".join(self.sequence) if self.sequence else ""
         text += f"\n\nactivation all-reduces per layer\n{self.comm_table()}" if any(
             c.forward or c.backward or c.small for c in self.comm) else ""
         return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
 
 def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "",
-              tp_graph=None) -> Plan:
+              tp_graph=None, sequence: tuple[str, ...] = ()) -> Plan:
     """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
     not traced with the model (fxpar/trace.py); tp_graph (the graph after tensor parallelism) adds each layer's
     collectives."""
@@ -102,4 +104,4 @@ def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp
     logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
     logits = "; ".join(x for x in (logits, loss_note) if x)
     comm = audit(tp_graph) if tp_graph is not None and analysis.t > 1 else ()
-    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm)
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm, tuple(sequence))

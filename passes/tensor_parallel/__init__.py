@@ -7,4 +7,5 @@
     in_place.py       f and g all-reduce in place where nothing else reads the tensor
     rng.py            random streams with Megatron's semantics; every random op put on one
     local_shapes.py   this rank's shapes on every node
+    sequence_parallel.py  g -> reduce-scatter and f -> all-gather along the sequence; the ops between on blocks
 """

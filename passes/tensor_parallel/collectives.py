@@ -10,6 +10,13 @@ data: the result has the shape the real collective would give. The call nodes ar
     g        all-reduce forward, identity backward   (leaves a region: sums the row-parallel partial outputs)
     gather   all-gather forward, local block backward (LM head logits)
     scatter  local block forward, all-gather backward (a replicated operand that a region needs one block of)
+
+Under sequence parallelism (passes/tensor_parallel/sequence_parallel.py) f and g split into their halves along the
+sequence (Korthikanti et al. 2022, Sec. 4.2.2): an all-reduce is a reduce-scatter then an all-gather, so the bytes
+on the wire are those of tensor parallelism.
+
+    seq_gather          all-gather along the sequence forward, reduce-scatter backward   (f, entering a region)
+    seq_reduce_scatter  reduce-scatter along the sequence forward, all-gather backward   (g, leaving a region)
 """
 from __future__ import annotations
 
@@ -48,6 +55,21 @@ class TPComm:
         x = x.contiguous()
         out = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(out, x, group=self.group)
+        return out
+
+    def gather(self, x: torch.Tensor, spec: Shard) -> torch.Tensor:
+        """The whole tensor from every rank's block of it, laid out as `spec`."""
+        return x if self.size == 1 else unshard(self.all_gather(x), spec)
+
+    def reduce_scatter(self, x: torch.Tensor, spec: Shard) -> torch.Tensor:
+        """This rank's block (laid out as `spec`) of the sum over the ranks of x."""
+        if self.size == 1:
+            return x
+        blocks = [local_shard(x, spec, r, self.size) for r in range(self.size)]
+        if self.simulated or _shape_only(x):
+            return blocks[self.rank]
+        out = torch.empty_like(blocks[self.rank])
+        dist.reduce_scatter(out, blocks, group=self.group)
         return out
 
 
@@ -102,6 +124,28 @@ class _Gather(torch.autograd.Function):
         return local_shard(grad, ctx.spec, ctx.comm.rank, ctx.comm.size), None, None
 
 
+class _SeqGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return comm.gather(x, spec)
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's gradient of the whole sequence is a partial sum (its heads' share)
+        return ctx.comm.reduce_scatter(grad, ctx.spec), None, None
+
+
+class _SeqReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, spec):
+        ctx.comm, ctx.spec = comm, spec
+        return comm.reduce_scatter(x, spec)
+
+    @staticmethod
+    def backward(ctx, grad):  # every rank's partial input reads the whole sum: its gradient is the whole gradient
+        return ctx.comm.gather(grad, ctx.spec), None, None
+
+
 class _TPModule(nn.Module):
     """A module that holds its rank's communication context; the graph calls it like an op. `in_place`: the
     all-reduce may write into the tensor it is given (passes/tensor_parallel/in_place.py proved nothing else reads
@@ -134,17 +178,36 @@ class ScatterToTP(_TPModule):
 
 
 class GatherFromTP(_TPModule):
-    """The full tensor from every rank's block along `dim` (the LM head's logits)."""
+    """The full tensor from every rank's block along `dim` (the LM head's logits); `parts`, `pre`, `post`: a block
+    laid out as Shard(dim, parts, pre, post) (a sequence block of rows flattened to 2-D)."""
 
-    def forward(self, x, dim: int):
+    def forward(self, x, dim: int, parts: tuple | None = None, pre: int = 1, post: int = 1):
         dim = dim % x.dim()
-        return _Gather.apply(x, self.comm, Shard(dim, (x.shape[dim] * self.comm.size,)))
+        return _Gather.apply(x, self.comm, Shard(dim, tuple(parts or (x.shape[dim] * self.comm.size,)), pre, post))
+
+
+class GatherSequence(_TPModule):
+    """seq_gather: f under sequence parallelism; the sequence blocks of every rank, whole, into a region."""
+
+    def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _SeqGather.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
+
+
+class ReduceScatterSequence(_TPModule):
+    """seq_reduce_scatter: g under sequence parallelism; the sum of the partial outputs, this rank's sequence block."""
+
+    def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _SeqReduceScatter.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
 
 
 class VocabParallelEmbedding(_TPModule):
     """Look up the ids in this rank's rows of the vocabulary, zero the rest, and all-reduce (g)."""
 
     def forward(self, weight, ids, *rest):
+        return _G.apply(self.lookup(weight, ids, *rest), self.comm)
+
+    def lookup(self, weight, ids, *rest):
+        """This rank's rows' share of the embedding: the rows of its ids, zeros for the ids of other ranks."""
         rows = weight.shape[0]
         _check_ids(ids, rows * self.comm.size)
         start = self.comm.rank * rows
@@ -152,8 +215,14 @@ class VocabParallelEmbedding(_TPModule):
         local = (ids - start).masked_fill(outside, 0)
         pad = rest[0] if rest else -1  # aten.embedding's padding_idx only masks the gradient of that row
         pad = pad - start if start <= pad < start + rows else -1
-        out = torch.ops.aten.embedding(weight, local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _G.apply(out, self.comm)
+        return torch.ops.aten.embedding(weight, local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class VocabParallelEmbeddingSequence(VocabParallelEmbedding):
+    """The vocab-parallel lookup under sequence parallelism: reduce-scattered along the sequence, not all-reduced."""
+
+    def forward(self, weight, ids, *rest, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _SeqReduceScatter.apply(self.lookup(weight, ids, *rest), self.comm, Shard(dim, tuple(parts), pre, post))
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:

@@ -32,8 +32,9 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.analysis import Analysis
 from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
-from fxpar.passes.tensor_parallel.collectives import (CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, TPComm,
-                                                      VocabParallelEmbedding)
+from fxpar.passes.tensor_parallel.collectives import (CopyToTP, GatherFromTP, GatherSequence, ReduceFromTP,
+                                                      ReduceScatterSequence, ScatterToTP, TPComm,
+                                                      VocabParallelEmbedding, VocabParallelEmbeddingSequence)
 from fxpar.passes.ir.placements import Partial, Replicate, Shard
 from fxpar.passes.sharding.rules import Role, arg
 from fxpar.passes.tensor_parallel.vocab_kernels import (VocabParallelCrossEntropy, VocabParallelGather,
@@ -44,7 +45,8 @@ COMM_MODULES = {  # each collective's module (what it does: passes/ir/meta.py CO
     Comm.F: CopyToTP, Comm.G: ReduceFromTP, Comm.STAT: ReduceFromTP, Comm.SCATTER: ScatterToTP,
     Comm.GATHER: GatherFromTP, Comm.VOCAB_EMBEDDING: VocabParallelEmbedding,
     Comm.VOCAB_CROSS_ENTROPY: VocabParallelCrossEntropy, Comm.VOCAB_LOGSUMEXP: VocabParallelLogsumexp,
-    Comm.VOCAB_GATHER: VocabParallelGather,
+    Comm.VOCAB_GATHER: VocabParallelGather, Comm.SEQ_GATHER: GatherSequence,
+    Comm.SEQ_REDUCE_SCATTER: ReduceScatterSequence, Comm.VOCAB_EMBEDDING_SEQ: VocabParallelEmbeddingSequence,
 }
 
 aten = torch.ops.aten
@@ -54,17 +56,28 @@ def call_comm(gm: GraphModule, kind: Comm | str, comm: TPComm, args: tuple, kwar
               placement=R) -> Node:
     """A call_module node to a new comm module of `kind` (f, g, ...), one module `tp_<kind>_<i>` per call site,
     tagged with its kind and the placement of its output."""
-    kind, i = Comm(kind), 0
-    while hasattr(gm, f"tp_{kind}_{i}"):
-        i += 1
-    gm.add_submodule(f"tp_{kind}_{i}", COMM_MODULES[kind](comm))
-    node = gm.graph.call_module(f"tp_{kind}_{i}", args, kwargs or {})
+    kind = Comm(kind)
+    node = gm.graph.call_module(comm_module(gm, kind, comm), args, kwargs or {})
     node.meta[FXPAR_COMM] = kind
     node.meta[FXPAR_PLACEMENT] = placement
     return node
 
 
-class _Inserter:
+def spec_kwargs(how: Shard) -> dict:
+    """A Shard as the keyword arguments of the collectives that take a layout."""
+    return {"dim": how.dim, "parts": how.parts, "pre": how.pre, "post": how.post}
+
+
+def comm_module(gm: GraphModule, kind: Comm, comm: TPComm) -> str:
+    """A new module of `kind` on gm, `tp_<kind>_<i>`; returns its name."""
+    i = 0
+    while hasattr(gm, f"tp_{kind}_{i}"):
+        i += 1
+    gm.add_submodule(f"tp_{kind}_{i}", COMM_MODULES[kind](comm))
+    return f"tp_{kind}_{i}"
+
+
+class Inserter:
     """Creates the f / scatter node of an input right before the node that reads it, and reuses it for later readers
     when the graph mutates nothing.
 
@@ -84,15 +97,20 @@ class _Inserter:
         """`inp` entering a region at `user` (f, or scattered); `original` is the analysed node it replaced, if any."""
         if how is None and (original or inp) not in self.analysis.grad_nodes:
             return inp  # no gradient can flow into it: f would be a no-op
-        key, at = (inp, how), self.index[user]
+        if how is None:
+            return self._insert((inp, how), user, Comm.F, (inp,), {}, R)
+        return self._insert((inp, how), user, Comm.SCATTER, (inp,), spec_kwargs(how), how)
+
+    def gather(self, inp: Node, how: Shard, user: Node) -> Node:
+        """The whole of `inp`, sharded as `how`, gathered right before `user` reads it."""
+        return self._insert((inp, "gather"), user, Comm.GATHER, (inp,), spec_kwargs(how), R)
+
+    def _insert(self, key, user: Node, kind: Comm, args: tuple, kwargs: dict, placement) -> Node:
+        at = self.index[user]
         cached = self.cache.get(key)
         if cached is None or bisect.bisect_left(self.writes, cached[1]) != bisect.bisect_left(self.writes, at):
             with self.gm.graph.inserting_before(user):
-                if how is None:
-                    node = call_comm(self.gm, "f", self.comm, (inp,))
-                else:
-                    kwargs = {"dim": how.dim, "parts": how.parts, "pre": how.pre, "post": how.post}
-                    node = call_comm(self.gm, "scatter", self.comm, (inp,), kwargs, placement=how)
+                node = call_comm(self.gm, kind, self.comm, args, kwargs, placement=placement)
             self.cache[key] = cached = (node, at)
         return cached[0]
 
@@ -187,7 +205,7 @@ def tensor_parallel_pass(gm: GraphModule, analysis: Analysis, comm: TPComm) -> G
         for node in gm.graph.nodes:  # nothing sharded: every value is replicated (a metadata-only change)
             node.meta[FXPAR_PLACEMENT] = R
         return gm
-    ins, replaced = _Inserter(gm, analysis, comm), {}
+    ins, replaced = Inserter(gm, analysis, comm), {}
     for node in list(gm.graph.nodes):
         if FXPAR_COMM not in node.meta:
             node.meta[FXPAR_PLACEMENT] = analysis.placements.get(node, R)
