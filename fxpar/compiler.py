@@ -49,7 +49,7 @@ from fxpar.passes.pipeline.simulate import SimResult
 from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
 from fxpar.passes.sharding.vocab_analysis import vocab_analysis
 from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_analysis
-from fxpar.passes.tensor_parallel.sequence_parallel import sequence_parallel_pass
+from fxpar.passes.tensor_parallel.sequence_parallel import gathered_gemms_pass, sequence_parallel_pass
 from fxpar.trace import TraceError, Traced, trace
 from fxpar.runtime.weights import expected_state
 
@@ -216,6 +216,10 @@ def _assumed(c: Compiled) -> dict[GraphInput, torch.Tensor]:
     return {gi: c.state_values[gi].detach().clone() for gi in used}
 
 
+def _gathered_gemms(c: Compiled) -> GraphModule:
+    return gathered_gemms_pass(c.gm, c.target.comm) if c.sequence.applied else c.gm
+
+
 def _random_streams(c: Compiled) -> GraphModule:
     return random_streams_pass(c.gm, c.target.streams)
 
@@ -291,6 +295,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("bias_dropout_add", "gm", _fusion(bias_dropout_add_pass)),  # bias + dropout + residual add, one op
     ("gelu", "gm", _gelu),  # GeLU written out -> aten.gelu (recompute="selective": bias+GeLU recomputed)
     ("assumed", "assumed", _assumed),  # the values the fusions relied on, checked before each call
+    ("gathered_gemms", "gm", _gathered_gemms),  # an all-gather and the GEMMs it feeds, one op saving the block
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("in_place", "gm", _in_place),  # f and g all-reduce in place where nothing else reads the tensor

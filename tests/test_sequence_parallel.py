@@ -34,9 +34,10 @@ def _gpt(layers=1, hidden=16, heads=2, seq=4, dropout=0.0):
 
 
 def test_golden_gpt_layer_on_sequence_blocks():
-    """Rank 0 of t=2: the lookup reduce-scatters, every f is an all-gather and every g a reduce-scatter of 2x2x16
-    (the tokens halved), the norms, residual adds and the bias after g run on 2x2x16, and each replicated weight
-    read on a block enters through f (its gradient all-reduced)."""
+    """Rank 0 of t=2: the lookup reduce-scatters, every f is an all-gather joined with the GEMMs it feeds and every
+    g a reduce-scatter of 2x2x16 (the tokens halved), the norms, residual adds and the bias after g run on 2x2x16,
+    and the replicated weights read on blocks enter through seq_weights (their gradients all-reduced in one; here
+    one per module: a single layer is no stack of layers)."""
     model, args = _gpt()
     config = fxpar.Config(sequence_parallel=True, fuse=False)
     gm = build(model, TPComm(rank=0, size=2), args, config=config).graph_module
@@ -46,12 +47,13 @@ tp_vocab_embedding_0 = tp_vocab_embedding_seq_0(p_wte_weight, ids)  # S(1) 2x2x1
 embedding_1 = embedding.default(p_wpe_weight, arange)  # R 4x16
 tp_scatter_0 = tp_scatter_0(embedding_1)  # S(0) 2x16  [scatter]
 add = add.Tensor(tp_vocab_embedding_0, tp_scatter_0)  # S(1) 2x2x16
-tp_f_3 = tp_f_0(p_h_0_ln_1_weight)  # R 16  [f]
-tp_f_4 = tp_f_1(p_h_0_ln_1_bias)  # R 16  [f]
-layer_norm = layer_norm.default(add, [16], tp_f_3, tp_f_4, 1e-05, False)  # S(1) 2x2x16
-tp_f_0 = tp_seq_gather_0(layer_norm)  # R 2x4x16  [seq_gather]
-linear = linear.default(tp_f_0, p_h_0_attn_c_attn_weight, p_h_0_attn_c_attn_bias)  # S(2, 3x[16]x1) 2x4x24
-split = split_with_sizes.default(linear, [8, 8, 8], 2)  # (S(2), S(2), S(2))
+tp_seq_weights_0 = tp_seq_weights_0(p_h_0_ln_1_weight, p_h_0_ln_1_bias)  # (R, R)  [seq_weights]
+getitem_3 = getitem(tp_seq_weights_0, 0)  # R 16
+getitem_4 = getitem(tp_seq_weights_0, 1)  # R 16
+layer_norm = layer_norm.default(add, [16], getitem_3, getitem_4, 1e-05, False)  # S(1) 2x2x16
+tp_seq_gather_linear_0 = tp_seq_gather_linear_0(layer_norm)  # (S(2, 3x[16]x1))  [seq_gather_linear]
+getitem_11 = getitem(tp_seq_gather_linear_0, 0)  # S(2, 3x[16]x1) 2x4x24
+split = split_with_sizes.default(getitem_11, [8, 8, 8], 2)  # (S(2), S(2), S(2))
 getitem = getitem(split, 0)  # S(2) 2x4x8
 getitem_1 = getitem(split, 1)  # S(2) 2x4x8
 getitem_2 = getitem(split, 2)  # S(2) 2x4x8
@@ -75,28 +77,32 @@ contiguous = contiguous.default(transpose_4)  # S(2) 2x4x1x8
 view_3 = view.default(contiguous, [2, 4, 8])  # S(2) 2x4x8
 linear_1 = linear.default(view_3, p_h_0_attn_c_proj_weight)  # P 2x4x16
 tp_g_0 = tp_seq_reduce_scatter_0(linear_1)  # S(1) 2x2x16  [seq_reduce_scatter]
-tp_f_5 = tp_f_2(p_h_0_attn_c_proj_bias)  # R 16  [f]
-add_tensor = add.Tensor(tp_g_0, tp_f_5)  # S(1) 2x2x16
+tp_seq_weights_1 = tp_seq_weights_1(p_h_0_attn_c_proj_bias)  # (R)  [seq_weights]
+getitem_5 = getitem(tp_seq_weights_1, 0)  # R 16
+add_tensor = add.Tensor(tp_g_0, getitem_5)  # S(1) 2x2x16
 dropout_1 = dropout.default(add_tensor, 0.0, True)  # S(1) 2x2x16
 add_1 = add.Tensor(add, dropout_1)  # S(1) 2x2x16
-tp_f_6 = tp_f_3(p_h_0_ln_2_weight)  # R 16  [f]
-tp_f_7 = tp_f_4(p_h_0_ln_2_bias)  # R 16  [f]
-layer_norm_1 = layer_norm.default(add_1, [16], tp_f_6, tp_f_7, 1e-05, False)  # S(1) 2x2x16
-tp_f_1 = tp_seq_gather_1(layer_norm_1)  # R 2x4x16  [seq_gather]
-linear_2 = linear.default(tp_f_1, p_h_0_mlp_c_fc_weight, p_h_0_mlp_c_fc_bias)  # S(2) 2x4x32
-gelu = gelu.default(linear_2)  # S(2) 2x4x32
+tp_seq_weights_2 = tp_seq_weights_2(p_h_0_ln_2_weight, p_h_0_ln_2_bias)  # (R, R)  [seq_weights]
+getitem_6 = getitem(tp_seq_weights_2, 0)  # R 16
+getitem_7 = getitem(tp_seq_weights_2, 1)  # R 16
+layer_norm_1 = layer_norm.default(add_1, [16], getitem_6, getitem_7, 1e-05, False)  # S(1) 2x2x16
+tp_seq_gather_linear_1 = tp_seq_gather_linear_1(layer_norm_1)  # (S(2))  [seq_gather_linear]
+getitem_12 = getitem(tp_seq_gather_linear_1, 0)  # S(2) 2x4x32
+gelu = gelu.default(getitem_12)  # S(2) 2x4x32
 linear_3 = linear.default(gelu, p_h_0_mlp_c_proj_weight)  # P 2x4x16
 tp_g_1 = tp_seq_reduce_scatter_1(linear_3)  # S(1) 2x2x16  [seq_reduce_scatter]
-tp_f_8 = tp_f_5(p_h_0_mlp_c_proj_bias)  # R 16  [f]
-add_tensor_1 = add.Tensor(tp_g_1, tp_f_8)  # S(1) 2x2x16
+tp_seq_weights_3 = tp_seq_weights_3(p_h_0_mlp_c_proj_bias)  # (R)  [seq_weights]
+getitem_8 = getitem(tp_seq_weights_3, 0)  # R 16
+add_tensor_1 = add.Tensor(tp_g_1, getitem_8)  # S(1) 2x2x16
 dropout_2 = dropout.default(add_tensor_1, 0.0, True)  # S(1) 2x2x16
 add_2 = add.Tensor(add_1, dropout_2)  # S(1) 2x2x16
-tp_f_9 = tp_f_6(p_ln_f_weight)  # R 16  [f]
-tp_f_10 = tp_f_7(p_ln_f_bias)  # R 16  [f]
-layer_norm_2 = layer_norm.default(add_2, [16], tp_f_9, tp_f_10, 1e-05, False)  # S(1) 2x2x16
-tp_f_2 = tp_seq_gather_2(layer_norm_2)  # R 2x4x16  [seq_gather]
-linear_4 = linear.default(tp_f_2, p_wte_weight)  # S(2) 2x4x16
-tp_gather_0 = tp_gather_0(linear_4)  # R 2x4x32  [gather]
+tp_seq_weights_4 = tp_seq_weights_4(p_ln_f_weight, p_ln_f_bias)  # (R, R)  [seq_weights]
+getitem_9 = getitem(tp_seq_weights_4, 0)  # R 16
+getitem_10 = getitem(tp_seq_weights_4, 1)  # R 16
+layer_norm_2 = layer_norm.default(add_2, [16], getitem_9, getitem_10, 1e-05, False)  # S(1) 2x2x16
+tp_seq_gather_linear_2 = tp_seq_gather_linear_2(layer_norm_2)  # (S(2))  [seq_gather_linear]
+getitem_13 = getitem(tp_seq_gather_linear_2, 0)  # S(2) 2x4x16
+tp_gather_0 = tp_gather_0(getitem_13)  # R 2x4x32  [gather]
 """)
 
 
@@ -229,19 +235,19 @@ def test_dropout_on_a_sequence_block_draws_from_the_ranks_own_stream():
 
 
 class _Collectives(TorchDispatchMode):
-    """The c10d collectives that reach the dispatcher: (op, whether it moves a whole activation (more than a
-    hidden size of elements) or a weight's gradient)."""
+    """The c10d collectives that reach the dispatcher: (op, whether it moves an activation (at least a sequence
+    block's elements) or weights' gradients)."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, block: int):
         super().__init__()
-        self.hidden, self.counts = hidden, collections.Counter()
+        self.block, self.counts = block, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
             size = max((t.numel() for t in tensors), default=0)
-            kind = "activation" if size > self.hidden else "weight"
+            kind = "activation" if size >= self.block else "weight"
             self.counts[(func.__name__.split(".")[0].rstrip("_"), kind)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -250,24 +256,26 @@ def _collectives(layers: int):
     """On a gloo rank of t=2 (the threaded process group does not dispatch its collectives)."""
     model, args = _gpt(layers=layers, hidden=32, heads=4, seq=8)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, config=SP)
-    with _Collectives(32) as fwd:
+    block = args[0].numel() * 32 // 2  # b * s * h / t
+    with _Collectives(block) as fwd:
         y = pm(*args)
-    with _Collectives(32) as bwd:
+    with _Collectives(block) as bwd:
         y.float().square().mean().backward()
     return fwd.counts, bwd.counts
 
 
 def test_collectives_per_layer_at_the_dispatcher(pool2):
     """Per layer (4 layers less 2, halved): 2 all-gathers and 2 reduce-scatters of activations forward, the mirror
-    in backward, no all-reduce of an activation; the weights read on sequence blocks all-reduce their gradients
-    (2 norms' weight and bias, 2 biases after g)."""
+    in backward plus the 2 all-gathers that bring back the regions' inputs (saved as blocks, as Megatron does), no
+    all-reduce of an activation; the weights read on sequence blocks (2 norms' weight and bias, 2 biases after g)
+    all-reduce their gradients in one."""
     (f2, b2), (f4, b4) = pool2.run(_collectives, 2)[0], pool2.run(_collectives, 4)[0]
     per_layer = {"forward": {k: (f4[k] - f2[k]) / 2 for k in f4 | f2}, "backward": {k: (b4[k] - b2[k]) / 2
                                                                                     for k in b4 | b2}}
     assert {k: v for k, v in per_layer["forward"].items() if v} == {
         ("allgather", "activation"): 2, ("reduce_scatter", "activation"): 2}, per_layer
     assert {k: v for k, v in per_layer["backward"].items() if v} == {
-        ("allgather", "activation"): 2, ("reduce_scatter", "activation"): 2, ("allreduce", "weight"): 6}, per_layer
+        ("allgather", "activation"): 4, ("reduce_scatter", "activation"): 2, ("allreduce", "weight"): 1}, per_layer
 
 
 def _saved_bytes(pm, _, args):

@@ -58,6 +58,8 @@ class Comm(str, Enum):
     SEQ_GATHER = "seq_gather"  # f under sequence parallelism (passes/tensor_parallel/sequence_parallel.py)
     SEQ_REDUCE_SCATTER = "seq_reduce_scatter"  # g under sequence parallelism
     VOCAB_EMBEDDING_SEQ = "vocab_embedding_seq"  # the vocab-parallel lookup, reduce-scattered along the sequence
+    SEQ_GATHER_LINEAR = "seq_gather_linear"  # seq_gather and the GEMMs that read it: the block saved, not the whole
+    SEQ_WEIGHTS = "seq_weights"  # f of the weights a layer reads on sequence blocks: one all-reduce of their gradients
 
     __str__ = str.__str__  # prints as its name, in f-strings too
     __format__ = str.__format__
@@ -92,6 +94,10 @@ COMM_TABLE = {
     Comm.SEQ_GATHER: CommInfo("all-gather along the sequence (reduce-scatter in backward)", "backward"),
     Comm.SEQ_REDUCE_SCATTER: CommInfo("reduce-scatter along the sequence (all-gather in backward)", "forward"),
     Comm.VOCAB_EMBEDDING_SEQ: CommInfo("vocab lookup + reduce-scatter along the sequence", "small", vocab=True),
+    Comm.SEQ_GATHER_LINEAR: CommInfo("all-gather along the sequence into GEMMs (reduce-scatter in backward; the "
+                                     "block is saved and gathered again)", "backward"),
+    Comm.SEQ_WEIGHTS: CommInfo("f of a layer's weights read on sequence blocks: one all-reduce of their gradients",
+                               "small", forward_identity=True),
 }
 
 PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY = "parameter", "buffer", "constant", "user", "boundary"

@@ -17,9 +17,12 @@ on the wire are those of tensor parallelism.
 
     seq_gather          all-gather along the sequence forward, reduce-scatter backward   (f, entering a region)
     seq_reduce_scatter  reduce-scatter along the sequence forward, all-gather backward   (g, leaving a region)
+    seq_gather_linear   seq_gather and the GEMMs that read it, as one op that saves this rank's block for backward
+                        and gathers it again there, not the whole sequence (Korthikanti et al. 2022, Sec. 4.2.2)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +149,53 @@ class _SeqReduceScatter(torch.autograd.Function):
         return ctx.comm.gather(grad, ctx.spec), None, None
 
 
+class _SeqGatherLinear(torch.autograd.Function):
+    """linear(all_gather(x), w_i, b_i) for each GEMM i; saves x (the block) and the weights. The math is that of
+    aten.linear in the GEMMs' compute dtype: dx = sum_i g_i w_i, dw_i = g_i^T x, db_i = sum g_i."""
+
+    @staticmethod
+    def forward(ctx, x, comm, spec, *weights):
+        ctx.comm, ctx.spec = comm, spec
+        full = comm.gather(x, spec)
+        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights[::2], weights[1::2]))
+        ctx.save_for_backward(x, *weights)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = ctx.comm.gather(x, ctx.spec)
+        dx, dweights = None, []
+        for g, w, b in zip(grads, weights[::2], weights[1::2]):
+            if g is None:
+                dweights += [None, None]
+                continue
+            rows, inputs = g.reshape(-1, g.shape[-1]), full.reshape(-1, full.shape[-1]).to(g.dtype)
+            part = g @ w.to(g.dtype)
+            dx = part if dx is None else dx + part
+            dweights += [(rows.t() @ inputs).to(w.dtype), None if b is None else rows.sum(0).to(b.dtype)]
+        dx = torch.zeros_like(full) if dx is None else dx.to(full.dtype)
+        return (ctx.comm.reduce_scatter(dx, ctx.spec), None, None, *dweights)
+
+
+class _FMany(torch.autograd.Function):
+    """f of several tensors: identity forward; backward all-reduces their gradients as one flat tensor."""
+
+    @staticmethod
+    def forward(ctx, comm, *xs):
+        ctx.comm, ctx.shapes = comm, [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        like = next(g for g in grads if g is not None)
+        flat = torch.cat([(g if g is not None else like.new_zeros(s)).reshape(-1).to(like.dtype)
+                          for g, s in zip(grads, ctx.shapes)])
+        flat = ctx.comm.all_reduce(flat)
+        return (None, *(p.view(s).to(g.dtype if g is not None else p.dtype) for p, s, g in
+                        zip(flat.split([math.prod(s) for s in ctx.shapes]), ctx.shapes, grads)))
+
+
 class _TPModule(nn.Module):
     """A module that holds its rank's communication context; the graph calls it like an op. `in_place`: the
     all-reduce may write into the tensor it is given (passes/tensor_parallel/in_place.py proved nothing else reads
@@ -198,6 +248,21 @@ class ReduceScatterSequence(_TPModule):
 
     def forward(self, x, dim: int, parts: tuple, pre: int = 1, post: int = 1):
         return _SeqReduceScatter.apply(x, self.comm, Shard(dim, tuple(parts), pre, post))
+
+
+class GatherSequenceLinear(_TPModule):
+    """seq_gather_linear: the sequence blocks gathered into GEMMs (`weights`: weight, bias-or-None per GEMM); returns
+    the GEMMs' outputs."""
+
+    def forward(self, x, weights: list, dim: int, parts: tuple, pre: int = 1, post: int = 1):
+        return _SeqGatherLinear.apply(x, self.comm, Shard(dim, tuple(parts), pre, post), *weights)
+
+
+class CopyManyToTP(_TPModule):
+    """seq_weights: f of the weights one layer reads on sequence blocks; returns them (a tuple)."""
+
+    def forward(self, *weights):
+        return _FMany.apply(self.comm, *weights)
 
 
 class VocabParallelEmbedding(_TPModule):

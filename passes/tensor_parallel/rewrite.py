@@ -32,9 +32,10 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.analysis import Analysis
 from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
-from fxpar.passes.tensor_parallel.collectives import (CopyToTP, GatherFromTP, GatherSequence, ReduceFromTP,
-                                                      ReduceScatterSequence, ScatterToTP, TPComm,
-                                                      VocabParallelEmbedding, VocabParallelEmbeddingSequence)
+from fxpar.passes.tensor_parallel.collectives import (CopyManyToTP, CopyToTP, GatherFromTP, GatherSequence,
+                                                      GatherSequenceLinear, ReduceFromTP, ReduceScatterSequence,
+                                                      ScatterToTP, TPComm, VocabParallelEmbedding,
+                                                      VocabParallelEmbeddingSequence)
 from fxpar.passes.ir.placements import Partial, Replicate, Shard
 from fxpar.passes.sharding.rules import Role, arg
 from fxpar.passes.tensor_parallel.vocab_kernels import (VocabParallelCrossEntropy, VocabParallelGather,
@@ -47,6 +48,7 @@ COMM_MODULES = {  # each collective's module (what it does: passes/ir/meta.py CO
     Comm.VOCAB_CROSS_ENTROPY: VocabParallelCrossEntropy, Comm.VOCAB_LOGSUMEXP: VocabParallelLogsumexp,
     Comm.VOCAB_GATHER: VocabParallelGather, Comm.SEQ_GATHER: GatherSequence,
     Comm.SEQ_REDUCE_SCATTER: ReduceScatterSequence, Comm.VOCAB_EMBEDDING_SEQ: VocabParallelEmbeddingSequence,
+    Comm.SEQ_GATHER_LINEAR: GatherSequenceLinear, Comm.SEQ_WEIGHTS: CopyManyToTP,
 }
 
 aten = torch.ops.aten

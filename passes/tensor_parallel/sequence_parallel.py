@@ -6,12 +6,20 @@ ops between run on the block, their shape constants made local; a replicated inp
 decided (scattered to its block, or through f: its gradient all-reduced); where an end reads a block, the block is
 all-gathered first. Nodes keep their names; each carries its placement, so `fxpar show` prints what was decided.
 The values' shapes are still those before this pass; the compiler's next stage propagates this rank's shapes.
+
+gathered_gemms_pass then joins each all-gather whose every reader is a GEMM into one op with them: it saves the
+block for backward and gathers it again there, so a layer keeps 1/t of its regions' inputs, as Megatron does.
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_PLACEMENT, Comm, comm_kind
+from fxpar.passes.frontend.layers import find_layers
+from fxpar.passes.ir.meta import (FXPAR_COMM, FXPAR_PLACEMENT, PARAMETER, Comm, comm_kind, copy_meta, input_of,
+                                  module_path)
 from fxpar.passes.ir.placements import Replicate, Shard
 from fxpar.passes.sharding.rules import Role
 from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis
@@ -25,7 +33,7 @@ def sequence_parallel_pass(gm: GraphModule, seq: SequenceAnalysis, comm: TPComm)
     """Rewrite `gm` in place as `seq` decided; returns gm (unchanged where sequence parallelism was not applied)."""
     if not seq.applied:
         return gm
-    ins = Inserter(gm, seq, comm)
+    ins, weights = Inserter(gm, seq, comm), {}
     for node, block in seq.seeds.items():
         _swap(gm, node, _SEED_FORM[comm_kind(node)], comm, block, block)
     for node, block in seq.entries.items():
@@ -39,7 +47,10 @@ def sequence_parallel_pass(gm: GraphModule, seq: SequenceAnalysis, comm: TPComm)
             if d.target is not None:
                 node.target = d.target
             for inp, how in d.enter.items():
-                node.replace_input_with(inp, ins.enter(inp, how, node))
+                if how is None and inp.op == "placeholder" and input_of(inp).kind == PARAMETER:
+                    weights.setdefault(node, []).append(inp)  # through its layer's seq_weights, below
+                else:
+                    node.replace_input_with(inp, ins.enter(inp, how, node))
             if d.role is Role.REDUCE:
                 REWRITES[Role.REDUCE](gm, node, comm)
         elif node in seq.ends:
@@ -47,9 +58,46 @@ def sequence_parallel_pass(gm: GraphModule, seq: SequenceAnalysis, comm: TPComm)
                 block = seq.placements.get(inp)
                 if isinstance(block, Shard):
                     node.replace_input_with(inp, ins.gather(inp, block, node))
+    _weights_by_layer(gm, weights, comm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _weights_by_layer(gm: GraphModule, readers: dict[Node, list[Node]], comm: TPComm) -> None:
+    """The weights read on sequence blocks enter through f, one seq_weights per layer (its gradients all-reduced as
+    one tensor, when the layer's backward is done), placed before the layer's first reader: a layer's weights stay
+    in the layer's pipeline chunk."""
+    layers, groups = find_layers(gm), {}
+    for node, ws in readers.items():
+        groups.setdefault(_layer_of(node, layers), {}).setdefault(node, ws)
+    for group in groups.values():
+        unique = list(dict.fromkeys(w for ws in group.values() for w in ws))
+        with gm.graph.inserting_before(next(iter(group))):
+            f = gm.graph.call_module(comm_module(gm, Comm.SEQ_WEIGHTS, comm), tuple(unique))
+            outs = {w: gm.graph.call_function(operator.getitem, (f, i)) for i, w in enumerate(unique)}
+        f.meta.update({FXPAR_COMM: Comm.SEQ_WEIGHTS, FXPAR_PLACEMENT: tuple(Replicate() for _ in unique)})
+        for w, out in outs.items():
+            copy_meta(w, out, keys=("val",))
+            out.meta[FXPAR_PLACEMENT] = Replicate()
+        for node, ws in group.items():
+            for w in ws:
+                node.replace_input_with(w, outs[w])
+
+
+def _layer_of(node: Node, layers) -> str:
+    """The layer of a node (outside the layers: its module's path), or that of the nearest node it is computed from
+    that has a module (a node a pass inserted, the bias after g, has none of its own)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop(0)
+        if n in layers.entry_of:
+            return layers.entry_of[n]
+        if n.meta.get("nn_module_stack"):
+            return module_path(n)
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if a not in seen and a.op != "placeholder"]
+    return ""
 
 
 def _swap(gm: GraphModule, node: Node, kind: Comm, comm: TPComm, block: Shard, placement) -> None:
@@ -59,3 +107,41 @@ def _swap(gm: GraphModule, node: Node, kind: Comm, comm: TPComm, block: Shard, p
     node.kwargs = {**node.kwargs, **spec_kwargs(block)}
     node.meta[FXPAR_COMM] = kind
     node.meta[FXPAR_PLACEMENT] = placement
+
+
+def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
+    """Each seq_gather read only by GEMMs (aten.linear, as their input) becomes one seq_gather_linear call whose
+    outputs replace the GEMMs' (passes/tensor_parallel/collectives.py GatherSequenceLinear); returns gm."""
+    changed = False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        gemms = sorted(node.users, key=order.get)
+        if comm_kind(node) != Comm.SEQ_GATHER or not gemms or not all(_reads_as_input(u, node) for u in gemms):
+            continue
+        weights = [w for u in gemms for w in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
+        if any(isinstance(w, Node) and order[w] > order[gemms[0]] for w in weights):
+            continue  # a weight computed after the first GEMM: the joined op could not run where it stands
+        with gm.graph.inserting_before(gemms[0]):
+            fused = gm.graph.call_module(comm_module(gm, Comm.SEQ_GATHER_LINEAR, comm), node.args,
+                                         {"weights": weights, **node.kwargs})
+            outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(gemms))]
+        copy_meta(gemms[0], fused, keys=("nn_module_stack", "stack_trace"))
+        fused.meta.update({FXPAR_COMM: Comm.SEQ_GATHER_LINEAR, "val": tuple(u.meta.get("val") for u in gemms),
+                           FXPAR_PLACEMENT: tuple(u.meta.get(FXPAR_PLACEMENT) for u in gemms)})
+        for gemm, out in zip(gemms, outs):
+            copy_meta(gemm, out, keys=tuple(gemm.meta))
+            gemm.replace_all_uses_with(out)
+            gm.graph.erase_node(gemm)
+        gm.graph.erase_node(node)
+        gm.delete_submodule(node.target)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _reads_as_input(user: Node, node: Node) -> bool:
+    """user is a GEMM reading node as its input, and only there."""
+    return (user.op == "call_function" and user.target is torch.ops.aten.linear.default and user.args[0] is node
+            and node not in user.args[1:] and not user.kwargs)
