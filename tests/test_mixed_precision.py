@@ -74,8 +74,9 @@ class _Recipe:
         return total
 
 
-def _train(name, p, t, d, zero=0, steps=20, dtype="bfloat16", reduce="float32", fp32_too=False, lr=1e-3):
-    """(max relative loss gap to the recipe, max relative gap to fp32 training, GEMM dtype counts, main dtypes)."""
+def _train(name, p, t, d, zero=0, steps=20, dtype="bfloat16", reduce="float32", fp32_too=False, lr=1e-3, **options):
+    """(max relative loss gap to the recipe, max relative gap to fp32 training, GEMM dtype counts, main dtypes);
+    options: more Config fields."""
     import fxpar
 
     dtype, reduce = getattr(torch, dtype), getattr(torch, reduce)
@@ -89,11 +90,11 @@ def _train(name, p, t, d, zero=0, steps=20, dtype="bfloat16", reduce="float32", 
     mp = fxpar.MixedPrecision(dtype, reduce, loss_scale="dynamic" if dtype == torch.float16 else None)
     mesh = fxpar.init_mesh(tp=t, pp=p, dp=d)
     pm = fxpar.parallelize(model, mesh, example_args=args, example_kwargs=kwargs, loss_fn=_loss,
-                           config=fxpar.Config(microbatches=m, zero=zero, mixed_precision=mp))
+                           config=fxpar.Config(microbatches=m, zero=zero, mixed_precision=mp, **options))
     opt = pm.optimizer(torch.optim.AdamW, lr=lr)
     if fp32_too:
         pm32 = fxpar.parallelize(fp32, mesh, example_args=args, example_kwargs=kwargs, loss_fn=_loss,
-                                 config=fxpar.Config(microbatches=m, zero=zero))
+                                 config=fxpar.Config(microbatches=m, zero=zero, **options))
         opt32 = pm32.optimizer(torch.optim.AdamW, lr=lr)
     micro = list(zip(ids.chunk(d * m), target.chunk(d * m)))
     gap = band = 0.0

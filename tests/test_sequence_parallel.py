@@ -299,3 +299,35 @@ def test_a_layer_saves_fewer_bytes(recompute):
 
     without, with_sp = per_layer(False), per_layer(True)
     assert with_sp < without, (with_sp, without)
+
+
+pool4 = module_pool(4, timeout_s=120.0)
+
+
+def test_composes_with_interleaved_pipelines_and_sends_blocks(pool4):
+    """(p, t) = (2, 2), two chunks per rank, interleaved 1F1B: exact after 3 steps, and every boundary message is a
+    sequence block (1/t of the activation, with no all-gather on arrival)."""
+    from tests.test_pipeline_exact import _train
+
+    for loss_gap, state_gap, _, sent, _ in pool4.run(_train, "gpt8", 2, 2, 1, 2, "interleaved-1f1b", 4,
+                                                     scatter_gather=False, sequence_parallel=True):
+        assert loss_gap <= TOL and state_gap <= TOL, (loss_gap, state_gap)
+        assert set(sent.values()) == {models.BATCH * models.SEQ * 32 * 4 // 2}, sent  # fp32 [b, s/t, h]
+
+
+def test_replicas_stay_identical_with_the_distributed_optimizer(pool4):
+    """t=2 x d=2 with ZeRO-1, 20 AdamW steps: exact, and check_replicas() finds every norm weight and bias (read on
+    sequence blocks, their gradients all-reduced) equal on both tp ranks (Megatron-LM #1446's class)."""
+    from tests.test_zero import _adamw
+
+    for loss_gap, state_gap, _, _ in pool4.run(_adamw, "llama", 1, 2, 2, 1, 20, None, False,
+                                               sequence_parallel=True, check_replicas_every=1):
+        assert loss_gap <= TOL and state_gap <= TOL, (loss_gap, state_gap)
+
+
+def test_bf16_matches_the_recipe(pool2):
+    from tests.test_mixed_precision import BAND, REL, _train
+
+    for gap, band, _, mains, params in pool2.run(_train, "gpt", 1, 2, 1, fp32_too=True, sequence_parallel=True):
+        assert gap < REL and band < BAND, (gap, band)
+        assert mains == ["torch.float32"] and params == ["torch.bfloat16"], (mains, params)

@@ -30,8 +30,9 @@ def _loss(out, target):
     return torch.nn.functional.cross_entropy(models.first_tensor(out).flatten(0, 1), target.flatten())
 
 
-def _adamw(name, p, t, d, zero, steps=20, clip=None, sgd=False):
-    """(max loss gap, max parameter gap, optimizer-state bytes on this rank, the same for a replicated AdamW)."""
+def _adamw(name, p, t, d, zero, steps=20, clip=None, sgd=False, **options):
+    """(max loss gap, max parameter gap, optimizer-state bytes on this rank, the same for a replicated AdamW);
+    options: more Config fields."""
     import fxpar
 
     model, args, kwargs = models.build(name)
@@ -41,7 +42,7 @@ def _adamw(name, p, t, d, zero, steps=20, clip=None, sgd=False):
     ids = torch.randint(0, models.VOCAB, (args[0].shape[0] * d * m, args[0].shape[1]), generator=g)
     target = torch.randint(0, models.VOCAB, ids.shape, generator=g)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=args, example_kwargs=kwargs,
-                           loss_fn=_loss, config=fxpar.Config(microbatches=m, zero=zero))
+                           loss_fn=_loss, config=fxpar.Config(microbatches=m, zero=zero, **options))
     cls, hyper = (torch.optim.SGD, dict(lr=0.1, momentum=0.9)) if sgd else \
         (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))
     opt, ref_opt = pm.optimizer(cls, **hyper), cls(reference.parameters(), **hyper)

@@ -72,11 +72,13 @@ def _weights_by_layer(gm: GraphModule, readers: dict[Node, list[Node]], comm: TP
     for node, ws in readers.items():
         groups.setdefault(_layer_of(node, layers), {}).setdefault(node, ws)
     for group in groups.values():
-        unique = list(dict.fromkeys(w for ws in group.values() for w in ws))
-        with gm.graph.inserting_before(next(iter(group))):
+        unique, first = list(dict.fromkeys(w for ws in group.values() for w in ws)), next(iter(group))
+        with gm.graph.inserting_before(first):
             f = gm.graph.call_module(comm_module(gm, Comm.SEQ_WEIGHTS, comm), tuple(unique))
             outs = {w: gm.graph.call_function(operator.getitem, (f, i)) for i, w in enumerate(unique)}
         f.meta.update({FXPAR_COMM: Comm.SEQ_WEIGHTS, FXPAR_PLACEMENT: tuple(Replicate() for _ in unique)})
+        for node in (f, *outs.values()):  # in its readers' layer (a pipeline chunk keeps it)
+            copy_meta(first, node, keys=("nn_module_stack",))
         for w, out in outs.items():
             copy_meta(w, out, keys=("val",))
             out.meta[FXPAR_PLACEMENT] = Replicate()
