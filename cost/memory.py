@@ -8,6 +8,11 @@ parallelism without sequence parallelism, e = 2 with 1-byte dropout masks):
   no recomputation         s b h (10 + 24/t + 5 a s / (h t))      (t = 1: s b h (34 + 5 a s / h))
   selective recomputation  s b h (10 + 24/t)                       (attention core recomputed)
   full recomputation       2 s b h                                 (only the layer input is kept)
+With sequence parallelism (Table 2's last rows: the norms, dropouts and residual adds between the regions keep 1/t
+of the tokens, and each region's input is saved as its sequence block):
+  no recomputation         s b h (34 + 5 a s / h) / t
+  selective recomputation  34 s b h / t
+  full recomputation       2 s b h / t                             (the layer input's block)
 Full recomputation also needs one layer's complete activations while it recomputes (a working set).
 For another dtype size the formulas are scaled by e / 2.
 
@@ -89,10 +94,14 @@ class MemoryBreakdown:
         return self.total / GIB
 
 
-def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, e: int = 2) -> float:
-    """Korthikanti et al. 2022 Table 2 (no sequence parallelism), scaled by e / 2; see the module docstring."""
+def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, e: int = 2,
+                               sequence_parallel: bool = False) -> float:
+    """Korthikanti et al. 2022 Table 2, scaled by e / 2; see the module docstring."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     sbh = s * b * h * e / 2
+    if sequence_parallel:
+        return {"full": 2 * sbh, "selective": 34 * sbh, "none": sbh * (34 + 5 * a * s / h)}[
+            check_recompute(recompute)] / t
     if check_recompute(recompute) == "full":
         return 2 * sbh
     if recompute == "selective":
@@ -114,7 +123,7 @@ def stage_parameters(shape: ModelShape, stage_layers: tuple[int, ...], stage: in
 
 def stage_memory(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, *, t: int, b: int, m: int,
                  v: int, schedule: str, recompute: str, cluster: Cluster, precision: str = "", zero: int = 0,
-                 d: int = 1, vocab_parallel_loss: bool = True) -> MemoryBreakdown:
+                 d: int = 1, vocab_parallel_loss: bool = True, sequence_parallel: bool = False) -> MemoryBreakdown:
     """Peak bytes on one GPU of `stage`.
 
     activations = per-layer bytes x layers on the stage x (chunks in flight / v), the in-flight count from
@@ -122,11 +131,11 @@ def stage_memory(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, *
     precision "" is `default_precision(cluster.dtype_bytes)`.
     """
     e, p = cluster.dtype_bytes, len(stage_layers)
-    per_layer = activation_bytes_per_layer(shape, b, t, recompute, e)
+    per_layer = activation_bytes_per_layer(shape, b, t, recompute, e, sequence_parallel)
     in_flight = chunks_in_flight(schedule, p, m, v, stage)
     activations = per_layer * stage_layers[stage] * in_flight / v
     if recompute == "full":
-        activations += activation_bytes_per_layer(shape, b, t, "none", e)
+        activations += activation_bytes_per_layer(shape, b, t, "none", e, sequence_parallel)
     logits = 0.0
     if stage == p - 1:
         logits = (e + LOGIT_BYTES_FP32) * b * shape.seq * shape.vocab * (1 / t + (not vocab_parallel_loss))
@@ -137,10 +146,11 @@ def stage_memory(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, *
 
 def memory_per_gpu(shape: ModelShape, stage_layers: tuple[int, ...], *, t: int, b: int, m: int, v: int,
                    schedule: str, recompute: str, cluster: Cluster, precision: str = "", zero: int = 0, d: int = 1,
-                   vocab_parallel_loss: bool = True) -> MemoryBreakdown:
+                   vocab_parallel_loss: bool = True, sequence_parallel: bool = False) -> MemoryBreakdown:
     """The most loaded stage's `MemoryBreakdown`: the first stage (most microbatches in flight, and at least
     as many layers as any middle stage, see `pipeline.split_layers`) or the last (logits, LM head)."""
     stages = sorted({0, len(stage_layers) - 1})
     return max((stage_memory(shape, stage_layers, i, t=t, b=b, m=m, v=v, schedule=schedule, recompute=recompute,
                              cluster=cluster, precision=precision, zero=zero, d=d,
-                             vocab_parallel_loss=vocab_parallel_loss) for i in stages), key=lambda mb: mb.total)
+                             vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
+                for i in stages), key=lambda mb: mb.total)

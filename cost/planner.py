@@ -50,6 +50,7 @@ class SearchSpace:
     paper_rule: bool = True
     precision: str = ""  # memory.PRECISIONS, "" for the cluster's default
     zero: tuple[int, ...] = (0,)  # distributed optimizer settings searched (zero=1 only where d > 1)
+    sequence_parallel: tuple[bool, ...] = (False,)  # settings searched (True only where t > 1)
 
     def __post_init__(self):
         for name in ("tp", "pp", "microbatch", "vpp", "max_tp", "max_vpp", "max_microbatch"):
@@ -60,6 +61,9 @@ class SearchSpace:
             raise ValueError("SearchSpace.recompute needs at least one mode")
         for mode in self.recompute:
             check_recompute(mode)
+        if not self.sequence_parallel or any(not isinstance(s, bool) for s in self.sequence_parallel):
+            raise ValueError(f"SearchSpace.sequence_parallel must be a non-empty tuple of bools, got "
+                             f"{self.sequence_parallel!r}")
         if not self.zero or any(z not in (0, 1) for z in self.zero):
             raise ValueError(f"SearchSpace.zero must be a non-empty tuple of 0 and 1, got {self.zero!r}")
         ParallelConfig(tp=1, precision=self.precision)  # validates the precision
@@ -140,7 +144,9 @@ def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpa
                     else:
                         for mode in space.recompute:
                             for zero in sorted({z for z in space.zero if z == 0 or d > 1}) or [0]:
-                                yield None, ParallelConfig(**base, recompute=mode, zero=zero)
+                                for sp in sorted({s for s in space.sequence_parallel if not s or t > 1}) or [False]:
+                                    yield None, ParallelConfig(**base, recompute=mode, zero=zero,
+                                                               sequence_parallel=sp)
 
 
 def plan(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpace = SearchSpace()) -> PlanResult:

@@ -64,6 +64,7 @@ class ParallelConfig:
     precision: str = ""
     zero: int = 0
     vocab_parallel_loss: bool = True
+    sequence_parallel: bool = False  # activations between regions on 1/t of the tokens; the same bytes on the wire
 
     def __post_init__(self):
         if self.precision and self.precision not in PRECISIONS:
@@ -88,7 +89,8 @@ class ParallelConfig:
     def describe(self) -> str:
         """'t=8 p=16 d=15 b=1 v=3 interleaved-1f1b recompute=full'."""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.microbatch} v={self.vpp} {self.schedule} "
-                f"recompute={self.recompute}" + (" zero=1" if self.zero else ""))
+                f"recompute={self.recompute}" + (" zero=1" if self.zero else "")
+                + (" sequence-parallel" if self.sequence_parallel else ""))
 
 
 def check_config(shape: ModelShape, config: ParallelConfig) -> int:
@@ -153,6 +155,7 @@ class StepEstimate:
         return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "microbatch": c.microbatch, "vpp": c.vpp,
                 "schedule": c.schedule, "recompute": c.recompute, "scatter_gather": c.scatter_gather,
                 "precision": self.precision, "zero": c.zero, "vocab_parallel_loss": c.vocab_parallel_loss,
+                "sequence_parallel": c.sequence_parallel,
                 "gpus": c.gpus, "cluster": self.cluster, "microbatches": self.microbatches,
                 "tflops_per_gpu": self.tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
                 "seconds_per_iteration": self.seconds, "memory_gib_per_gpu": self.memory.gib,
@@ -234,7 +237,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
              "sync_wait": cluster.sync_jitter * m * stage_compute if config.gpus > 1 else 0.0}
     memory = memory_per_gpu(shape, stages, t=t, b=b, m=m, v=v, schedule=config.schedule,
                             recompute=config.recompute, cluster=cluster, precision=config.precision, zero=config.zero,
-                            d=d, vocab_parallel_loss=config.vocab_parallel_loss)
+                            d=d, vocab_parallel_loss=config.vocab_parallel_loss,
+                            sequence_parallel=config.sequence_parallel)
     return StepEstimate(shape=shape, config=config, cluster=cluster.name, seconds=sum(parts.values()),
                         flops=flops_per_iteration(shape, config.recompute), peak_flops=cluster.peak_flops,
                         memory=memory, memory_capacity=cluster.memory_bytes, microbatches=m, bubble=bubble,

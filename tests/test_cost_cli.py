@@ -172,3 +172,21 @@ def test_config_from_dict_refuses_unknown_keys_and_dtypes():
         fxpar.Config.from_dict({"microbatch": 2})
     with pytest.raises(ValueError, match="'bf16' is not a torch dtype name"):
         fxpar.Config.from_dict({"mixed_precision": {"param_dtype": "bf16"}})
+
+
+def test_plan_searches_sequence_parallelism_and_the_json_config_carries_it(capsys):
+    """--sequence-parallel: a column says which setting each row has; it only saves memory (the bytes on the wire
+    are tensor parallelism's: the same step time), and the JSON's Config carries it."""
+    import fxpar
+
+    args = ["plan", *GPT3, "--tp", "8", "--pp", "16", "--recompute", "selective", "--microbatch", "1", "--vpp", "1"]
+    assert run([*args, "--sequence-parallel", "auto", "--top", "3"]) == 0
+    assert "seq-par" in capsys.readouterr().out.splitlines()[1]
+    out = {}
+    for setting in ("off", "on"):
+        assert run([*args, "--sequence-parallel", setting, "--json"]) == 0
+        out[setting] = json.loads(capsys.readouterr().out)
+    assert out["on"]["sequence_parallel"] and out["on"]["fxpar"]["config"]["sequence_parallel"]
+    assert fxpar.Config.from_dict(out["on"]["fxpar"]["config"]).sequence_parallel
+    assert out["on"]["memory_gib_per_gpu"] < out["off"]["memory_gib_per_gpu"]
+    assert out["on"]["seconds_per_iteration"] == out["off"]["seconds_per_iteration"]

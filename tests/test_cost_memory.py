@@ -70,3 +70,13 @@ def test_gpt3_at_t8_p8_fits_an_80gb_gpu_and_not_at_t8_p1():
     kw = dict(t=8, b=1, m=96, v=1, schedule="1f1b", recompute="full", cluster=SELENE)
     assert memory_per_gpu(GPT3, (12,) * 8, **kw).total < 80 * GIB
     assert memory_per_gpu(GPT3, (96,), **kw).total > 80 * GIB
+
+
+def test_activations_with_sequence_parallelism():
+    """Korthikanti et al. 2022 Table 2's sequence-parallel rows: everything / t."""
+    s, b, h, a, t = GPT3.seq, 2, GPT3.hidden, GPT3.heads, 8
+    sp = dict(sequence_parallel=True)
+    assert activation_bytes_per_layer(GPT3, b, t, "none", **sp) == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
+    assert activation_bytes_per_layer(GPT3, b, t, "selective", **sp) == pytest.approx(34 * s * b * h / t)
+    assert activation_bytes_per_layer(GPT3, b, t, "full", **sp) == pytest.approx(2 * s * b * h / t)
+    assert activation_bytes_per_layer(GPT3, b, 1, "none", **sp) == activation_bytes_per_layer(GPT3, b, 1, "none")

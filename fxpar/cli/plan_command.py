@@ -49,6 +49,9 @@ def add_parser(subparsers) -> None:
                         "recipe (default: paper on 2-byte clusters, fp32 on 4-byte ones)")
     p.add_argument("--zero", choices=("0", "1", "auto"), default="0",
                    help="distributed optimizer over dp: off, on, or searched (default 0, as in the paper)")
+    p.add_argument("--sequence-parallel", choices=("off", "on", "auto"), default="off",
+                   help="activations between tensor-parallel regions on 1/t of the tokens: off, on (where t > 1), or "
+                        "searched (default off, as in the PTD-P paper)")
     p.add_argument("--tokens", type=float, help="training tokens: add the Eq. 4 training-time estimate")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the best configuration as one JSON object")
@@ -92,7 +95,9 @@ def run_plan(args) -> int:
                             max_tp=args.max_tp, scatter_gather=not args.no_scatter_gather,
                             recompute=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
                             paper_rule=not args.no_paper_rule, precision=args.precision,
-                            zero=(0, 1) if args.zero == "auto" else (int(args.zero),))
+                            zero=(0, 1) if args.zero == "auto" else (int(args.zero),),
+                            sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[
+                                args.sequence_parallel])
         result = plan(shape, args.gpus, cluster, space)
     except ValueError as e:
         print(f"fxpar plan: error: {e}", file=sys.stderr)
@@ -139,7 +144,7 @@ def fxpar_config(best) -> dict:
     c, precision = best.config, best.precision
     config = {"microbatches": best.microbatches, "virtual_stages": c.vpp, "schedule": c.schedule,
               "scatter_gather": c.scatter_gather, "recompute": c.recompute, "zero": c.zero,
-              "mixed_precision": MIXED_PRECISION.get(precision)}
+              "sequence_parallel": c.sequence_parallel, "mixed_precision": MIXED_PRECISION.get(precision)}
     out = {"mesh": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "config": config, "batch": best.shape.batch,
            "microbatch": c.microbatch}
     if precision == "paper":
@@ -159,6 +164,10 @@ def format_plan(result: PlanResult, top: int, tokens: float | None, days: float 
              f"{e.memory.gib:.1f}", f"{e.bubble:.3f}"] for e in result.ranked[:top]]
     headers = ["t", "p", "d", "b", "v", "schedule", "recompute", "s/iter", "TFLOP/s/GPU", "% peak", "GiB/GPU",
                "bubble"]
+    if any(e.config.sequence_parallel for e in result.ranked):  # a column only where it was searched or asked for
+        headers.insert(7, "seq-par")
+        for row, e in zip(rows, result.ranked):
+            row.insert(7, "on" if e.config.sequence_parallel else "off")
     lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
     lines.append(f"{len(result.ranked)} configurations fit; TFLOP/s counts Eq. 3 with the recomputation done "
                  f"(72 B s l h^2 (...) without, 96 B s l h^2 (...) with full recomputation)")
