@@ -68,6 +68,7 @@ class CheckSpec:
     schedule: str | None = None  # default: 1f1b, interleaved-1f1b for v > 1 (cost.bubble.default_schedule)
     zero: int = 0
     precision: str = "fp32"
+    sequence_parallel: bool = False
     steps: int = 3
     lr: float = 1e-3
     seed: int = 0
@@ -238,7 +239,8 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
     low = fxpar.MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
     try:
         config = fxpar.Config(microbatches=spec.m, virtual_stages=spec.vpp, zero=spec.zero, seed=spec.seed,
-                              mixed_precision=low, schedule=spec.schedule or default_schedule(spec.vpp))
+                              mixed_precision=low, schedule=spec.schedule or default_schedule(spec.vpp),
+                              sequence_parallel=spec.sequence_parallel)
     except ValueError as e:
         raise ValueError(f"fxpar check: {e}") from None
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,

@@ -28,6 +28,14 @@ def test_the_example_gpt_is_exact_at_t2():
     assert ledger.count("2 g") == 4 and ledger.count("2 f") == 4 and "ABOVE" not in ledger, ledger
 
 
+def test_sequence_parallelism_is_checked_and_its_ledger_counted():
+    out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--sequence-parallel")
+    assert out.returncode == 0, out.stdout + out.stderr
+    ledger = out.stdout.split("communication per layer")[1]
+    assert ledger.count("2 seq_reduce_scatter") == 4 and ledger.count("2 seq_gather") == 4, ledger
+    assert ledger.count("1 seq_weights") == 5 and "ABOVE" not in ledger, ledger
+
+
 @pytest.mark.slow
 def test_the_example_gpt_is_exact_at_p2_t2():
     out = _check("examples/gpt.py:lm", "--tp", "2", "--pp", "2", "--steps", "2")

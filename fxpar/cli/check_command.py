@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default), or bf16: its losses against the one-process bf16 recipe, then the same "
                         "plan in fp32 (fxpar/check.py [Tolerance])")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="between the regions, activations on 1/t of the tokens (Config.sequence_parallel)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps K (default 3)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory, and of the batches")
@@ -108,7 +110,8 @@ def run(args) -> int:
     try:
         spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
                          microbatches=args.microbatches, schedule=args.schedule, zero=args.zero,
-                         precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed)
+                         precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed,
+                         sequence_parallel=args.sequence_parallel)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -47,6 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per pipeline rank v (default 1)")
     p.add_argument("--chunk", type=int, default=None, help="show one pipeline chunk, 0..p*v-1")
     p.add_argument("--no-fuse", action="store_true", help="show the graph without the fusion passes")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="between the regions, activations on 1/t of the tokens (Config.sequence_parallel)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                    help="activation recomputation to apply (default none)")
     p.set_defaults(func=run)
@@ -158,6 +160,7 @@ def run(args) -> int:
     model, ex_args, ex_kwargs = load_target(args.target)
     pipelined = args.pp > 1 or args.vpp > 1 or args.chunk is not None
     config = Config(fuse=not args.no_fuse, recompute=args.recompute, virtual_stages=args.vpp,
+                    sequence_parallel=args.sequence_parallel,
                     microbatches=args.pp if pipelined else 1, schedule=default_schedule(args.vpp))
     pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs, config=config,
                pp=args.pp if pipelined else 1)

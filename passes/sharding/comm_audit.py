@@ -32,6 +32,7 @@ OUTSIDE = "outside the layers"
 _FORWARD = frozenset(c for c in Comm if c.info.moves == "forward")  # g, all-gather
 _BACKWARD = frozenset(c for c in Comm if c.info.moves == "backward")  # f, scatter
 _SMALL_F = {"f weight", "f stat", "f scale"}  # an f that kind_of finds moves a weight's or a statistic's gradient
+_ENTERING = _BACKWARD | _SMALL_F | {Comm.SEQ_WEIGHTS}  # kinds that belong to the layer that reads them
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
         value = src.meta.get("val")
         shape = tuple(value.shape) if value is not None and hasattr(value, "shape") else ()
         # an f (or scatter) belongs to the layer whose region it enters, a g to the one whose region it closes
-        reader = next(iter(n.users), src) if kind in _BACKWARD | _SMALL_F and n.users else src
+        reader = next(iter(n.users), src) if kind in _ENTERING and n.users else src
         collective = Collective(kind, n.name, module_path(reader), shape)
         found.setdefault(layers.entry_of.get(reader, OUTSIDE), []).append(collective)
     if not found.get(OUTSIDE):
