@@ -220,9 +220,10 @@ def test_a_token_mixer_between_regions_is_gathered_before_and_named():
     assert "gathered before cumsum (module <root>): cumsum: cumsum.default along the sharded dim 1" in plan
 
 
-def test_exact_with_selective_recompute():
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_exact_with_recompute(recompute):
     model, args, kwargs = models.build("gpt")
-    _exact(model, args, kwargs, recompute="selective")
+    _exact(model, args, kwargs, recompute=recompute)
 
 
 def test_dropout_on_a_sequence_block_draws_from_the_ranks_own_stream():
@@ -331,3 +332,12 @@ def test_bf16_matches_the_recipe(pool2):
     for gap, band, _, mains, params in pool2.run(_train, "gpt", 1, 2, 1, fp32_too=True, sequence_parallel=True):
         assert gap < REL and band < BAND, (gap, band)
         assert mains == ["torch.float32"] and params == ["torch.bfloat16"], (mains, params)
+
+
+def test_weights_are_sharded_as_without_it():
+    """Sequence parallelism moves activations only: every weight has the placement it has without it, so a
+    checkpoint (fxpar.save: each weight's shards by its placement) loads with it or without it."""
+    model, args = _gpt(layers=2)
+    specs = [build(copy.deepcopy(model), TPComm(rank=0, size=2), args, config=fxpar.Config(sequence_parallel=on)).specs
+             for on in (False, True)]
+    assert specs[0] == specs[1] and specs[0]
