@@ -14,6 +14,7 @@ Each model runs on 2 tensor-parallel ranks, threads of one process on torch's th
     invalid    the model itself fails (a generator bug): counted, must stay 0
 
     python -m tests.fuzz --count 5000 [--start 0] [--out fuzz-failures]   (`make fuzz N=...`)
+    python -m tests.fuzz --count 1000 --sequence-parallel                  (every build with sequence parallelism)
 
 prints the counts and writes each failing model as a standalone file (the model's source plus a driver that
 reruns the check) into --out.
@@ -40,6 +41,7 @@ from tests.fuzz_models import generate, load  # noqa: E402
 from tests.threaded import RankHang, Threaded, on_ranks  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+OPTIONS: dict = {}  # more fxpar.Config fields for every build (--sequence-parallel)
 BAD = ("mismatch", "crash", "hang", "invalid")
 
 
@@ -113,7 +115,7 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
         return {"outcome": "invalid", "detail": traceback.format_exc()}
     if not all(torch.isfinite(w).all() for w in _flat(want)):
         return {"outcome": "invalid", "detail": "the unmodified model's output is not finite"}
-    config = fxpar.Config(seed=0)
+    config = fxpar.Config(seed=0, **OPTIONS)
     warnings.filterwarnings("ignore", message="fxpar: found nothing to shard")  # counted as "exact, replicated"
     try:
         pm = build(model, tp_comm(mesh), args, kwargs, mesh, config, traced=traced)
@@ -269,6 +271,7 @@ def fuzz_jobs(start: int, count: int, jobs: int, out_dir: str | None = None) -> 
         for j in range(jobs):
             cmd = [sys.executable, "-m", "tests.fuzz", "--start", str(bounds[j]), "--count",
                    str(bounds[j + 1] - bounds[j]), "--json", os.path.join(tmp, f"{j}.json"), "--quiet"]
+            cmd += ["--sequence-parallel"] if OPTIONS.get("sequence_parallel") else []
             if out_dir:
                 cmd += ["--out", out_dir]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}))
@@ -296,7 +299,8 @@ def save(out_dir: str, seed: int, source: str, result: dict) -> str:
     path = os.path.join(out_dir, f"fuzz_{seed}.py")
     detail = "\n".join(f"# {line}" for line in result.get("detail", "").splitlines())
     driver = (f'\n\nif __name__ == "__main__":  # python {path}\n    import sys\n    sys.path.insert(0, {ROOT!r})\n'
-              "    from tests.fuzz import Threaded, run_one\n    with Threaded():\n"
+              f"    from tests.fuzz import OPTIONS, Threaded, run_one\n    OPTIONS.update({OPTIONS!r})\n"
+              "    with Threaded():\n"
               "        print(run_one(open(__file__).read()))\n")
     with open(path, "w") as f:
         f.write(f"# fxpar fuzz seed {seed}: {result['outcome']}\n{detail}\n{source}{driver}")
@@ -322,7 +326,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="fuzz-failures", help="folder for the failing models' reproductions")
     p.add_argument("--json", help="also write the summary here")
     p.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
+    p.add_argument("--sequence-parallel", action="store_true", help="build every model with Config(sequence_parallel)")
     args = p.parse_args(argv)
+    if args.sequence_parallel:
+        OPTIONS["sequence_parallel"] = True
     start = time.perf_counter()
     summary = fuzz_jobs(args.start, args.count, args.jobs, args.out)
     if args.json:

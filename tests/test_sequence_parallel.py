@@ -208,7 +208,7 @@ def test_exact_at_t2(name):
     _exact(model, args, kwargs, sgd=name.startswith("encoder"))
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "gpt2", "llama", "llama_gqa", "qwen3", "bert", "t5"])
 def test_exact_at_t4(name):
     model, args, kwargs = models.build(name)
     _exact(model, args, kwargs, tp=4)
