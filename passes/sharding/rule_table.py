@@ -13,9 +13,10 @@ from types import MappingProxyType
 import torch
 from torch.fx import Node
 
-from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, elementwise,
-                                         expand, gemm, getitem, like_input, norm, permute, reduction, reshape_as, sdpa,
-                                         select, slice_, softmax, split, squeeze, stack, transpose, unsqueeze, view)
+from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, einsum,
+                                         elementwise, expand, gemm, getitem, like_input, norm, permute, reduction,
+                                         repeat_interleave, reshape_as, sdpa, select, slice_, softmax, split, squeeze,
+                                         stack, transpose, unsqueeze, view)
 from fxpar.passes.sharding.loss_rules import LOSS_RULES
 
 aten = torch.ops.aten
@@ -58,6 +59,8 @@ FAMILIES = (  # (rule, ops it covers)
     (norm, (aten.layer_norm, aten.rms_norm)),
     (sdpa, (aten.scaled_dot_product_attention,)),
     (batched_matmul, (aten.matmul, aten.bmm)),
+    (einsum, (aten.einsum.default,)),
+    (repeat_interleave, (aten.repeat_interleave,)),
     (gemm, tuple(GEMM_WEIGHT_ARG)),
     *((rule, (op,)) for op, rule in LOSS_RULES.items()),
 )

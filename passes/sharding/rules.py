@@ -393,13 +393,16 @@ def sdpa(node: Node, ctx: Ctx) -> Decision:
     shards = [ctx.p(a) for a in (q, k, v) if isinstance(ctx.p(a), Shard)]
     if not shards:
         raise NoRule(f"{node.name}: only the attention mask is sharded")
-    s = shards[0]
+    s = ctx.p(q) if isinstance(ctx.p(q), Shard) else shards[0]
     nd = len(ctx.shape(q))
-    if s.dim >= nd - 2 or any(o != s for o in shards):
+    if arg(node, "enable_gqa", False) and _grouped_alike(ctx, q, (k, v), s):
+        enter = {}  # each rank's K/V groups are those of its query heads, as for repeat_interleave
+    elif s.dim >= nd - 2 or any(o != s for o in shards):
         raise NoRule(f"{node.name}: q/k/v must be sharded alike on a batch or heads dim, got {shards}")
-    if any(ctx.shape(a)[s.dim] != ctx.shape(q)[s.dim] for a in (k, v)):
+    elif any(ctx.shape(a)[s.dim] != ctx.shape(q)[s.dim] for a in (k, v)):
         raise NoRule(f"{node.name}: grouped k/v heads {ctx.shape(k)[s.dim]} vs query heads {ctx.shape(q)[s.dim]}")
-    enter = {a: s for a in (q, k, v) if not isinstance(ctx.p(a), Shard)}
+    else:
+        enter = {a: s for a in (q, k, v) if not isinstance(ctx.p(a), Shard)}
     mask = arg(node, "attn_mask")
     if isinstance(mask, Node):
         shape = ctx.shape(mask)
@@ -414,6 +417,61 @@ def sdpa(node: Node, ctx: Ctx) -> Decision:
         else:
             enter[mask] = want
     return Decision(s, enter)
+
+
+# --- repeat_interleave(x, r, dim): grouped K/V heads expanded to the query heads. On the sharded heads dim each
+# rank's groups expand to exactly its query heads (rank r: groups [rG/t, (r+1)G/t) -> heads [rH/t, (r+1)H/t))
+def repeat_interleave(node: Node, ctx: Ctx) -> Decision:
+    x, s = node.args[0], ctx.p(node.args[0])
+    dim, reps = arg(node, "dim"), arg(node, "repeats")
+    if node.target is not aten.repeat_interleave.self_int or dim is None:
+        raise NoRule(f"{node.name}: repeat_interleave with a tensor of repeats or without a dim")
+    d = _norm(dim, len(ctx.shape(x)))
+    if d != s.dim:
+        return Decision(s)
+    if not s.plain or arg(node, "output_size") is not None:
+        raise NoRule(f"{node.name}: repeat_interleave of the sharded dim {d} laid out as {s}")
+    _need_divisible(s, ctx.t, node)
+    return Decision(plain_shard(d, s.size * reps))
+
+
+# --- einsum between activations (a weight's einsum is a GEMM form already): the sharded letter must be one that
+# every sharded operand shards alike and the output keeps (a batch or free letter); contracting it would need a sum
+def einsum(node: Node, ctx: Ctx) -> Decision:
+    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
+    if "->" not in equation or "." in equation:
+        raise NoRule(f"{node.name}: einsum {equation!r} without an explicit output, or with an ellipsis")
+    inputs, output = equation.split("->")
+    inputs = inputs.split(",")
+    letters = {}
+    for sub, op in zip(inputs, operands):
+        p = ctx.p(op)
+        if isinstance(p, Shard):
+            letters[sub[p.dim]] = letters.get(sub[p.dim], []) + [p]
+        elif not isinstance(p, Replicate):
+            raise NoRule(f"{node.name}: operand {op.name} is {p}")
+    shards = next(iter(letters.values()))
+    letter, s = next(iter(letters)), shards[0]
+    if len(letters) > 1 or any(not o.same_layout(s) for o in shards):
+        raise NoRule(f"{node.name}: einsum {equation!r} with operands sharded on different letters or layouts")
+    if letter not in output:
+        raise NoRule(f"{node.name}: einsum {equation!r} contracts the sharded letter {letter!r}")
+    if any(sub.count(letter) > 1 for sub in inputs) or output.count(letter) > 1:
+        raise NoRule(f"{node.name}: einsum {equation!r} repeats the sharded letter {letter!r}")
+    enter = {}
+    for sub, op in zip(inputs, operands):
+        if not isinstance(ctx.p(op), Shard):
+            k = sub.find(letter)
+            enter[op] = None if k < 0 or ctx.shape(op)[k] == 1 else s.moved(k)
+    return Decision(s.moved(output.index(letter)), enter)
+
+
+def _grouped_alike(ctx: Ctx, q: Node, kv: tuple, s: Shard) -> bool:
+    """SDPA(enable_gqa=True) with q's heads and K/V's groups plainly sharded on the heads dim, t dividing both."""
+    groups = [ctx.p(a) for a in kv]
+    return (isinstance(ctx.p(q), Shard) and s.plain and s.dim == len(ctx.shape(q)) - 3 and s.divisible(ctx.t)
+            and all(isinstance(g, Shard) and g.plain and g.dim == s.dim and g.divisible(ctx.t)
+                    and s.size % g.size == 0 for g in groups))
 
 
 # --- matmul / bmm without a weight parameter (q @ k^T, probs @ v): batch dims pass through
