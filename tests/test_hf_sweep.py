@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_sweep import architectures, markdown, sweep_one
+from tests.hf_sweep import SHARDED, architectures, markdown, sweep_one
 from tests.threaded import Threaded
 
 # architecture -> the largest local share accepted (Megatron's layout at t=2 holds about half)
@@ -22,10 +22,10 @@ SUBSET = {
 def test_a_hugging_face_architecture_is_exact_and_sharded(arch):
     with Threaded():
         row = sweep_one(arch, architectures()[arch])
-    assert row["status"] == "sharded", row
+    assert row["status"] == ("sharded" if SUBSET[arch] <= SHARDED else "partly sharded"), row
     assert row["gap"] <= 1e-5 and row["share"] <= SUBSET[arch], row
     assert row["fwd"] <= 2 and row["bwd"] <= 2, row  # Megatron's bound per layer
-    assert f"| {arch} | sharded |" in markdown([row])
+    assert f"| {arch} | {row['status']} |" in markdown([row])
 
 
 def test_the_table_fills_the_readme_section_and_nothing_else(tmp_path):
