@@ -8,7 +8,9 @@ standalone file. The grammar covers the op families the rules cover and the haza
                  whose additive term is an activation or a broadcast column (with beta/alpha), a weight on the left
                  (W @ x^T)^T
     activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up)
-    attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V, rotary
+    attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V (one GEMM
+                 laid out per K/V group or as [q | k | v]; K/V expanded by repeat_interleave, by expand + reshape, or
+                 read by SDPA(enable_gqa=True)), einsum attention, rotary
                  arithmetic, scores by matmul or einsum, causal masks (a buffer, triu built in the graph, additive),
                  SDPA, attention dropout, a per-head projection, scores carried into the next layer
     norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
@@ -161,8 +163,22 @@ class _Layer:
         c, r = self.c, self.r
         H, nh, kvh, S = c["H"], c["heads"], c["kv_heads"], c["S"]
         hd = H // nh
-        style = r.choice(["split", "view3", "separate", "separate"])
-        if style == "split" and kvh == nh:
+        style = r.choice(["split", "view3", "separate", "separate", "per_group", "flat"])
+        expanded = False  # k, v already have the query heads
+        if style == "per_group":  # one GEMM laid out per K/V group: [kvh, nh/kvh + 2, hd]
+            qkv = self.gemm(x, H, (nh + 2 * kvh) * hd)
+            q, k, v = (self.code.name(p) for p in "qkv")
+            self.emit(f"{q}, {k}, {v} = {qkv}.view({x}.shape[0], {S}, {kvh}, {nh // kvh + 2}, {hd})"
+                      f".split([{nh // kvh}, 1, 1], dim=3)")
+            for t, heads in ((q, nh), (k, kvh), (v, kvh)):
+                self.emit(f"{t} = {t}.reshape({x}.shape[0], {S}, {heads}, {hd}).transpose(1, 2)")
+        elif style == "flat":  # one GEMM, [q | k | v] of sizes [nh hd, kvh hd, kvh hd]
+            qkv = self.gemm(x, H, (nh + 2 * kvh) * hd)
+            q, k, v = (self.code.name(p) for p in "qkv")
+            self.emit(f"{q}, {k}, {v} = {qkv}.split([{nh * hd}, {kvh * hd}, {kvh * hd}], dim=-1)")
+            for t, heads in ((q, nh), (k, kvh), (v, kvh)):
+                self.emit(f"{t} = {t}.view({x}.shape[0], {S}, {heads}, {hd}).transpose(1, 2)")
+        elif style == "split" and kvh == nh:
             qkv = self.gemm(x, H, 3 * H)
             q, k, v = (self.code.name(p) for p in "qkv")
             self.emit(f"{q}, {k}, {v} = {qkv}.split({H}, dim=2)")
@@ -177,9 +193,15 @@ class _Layer:
             q, k, v = self.gemm(x, H, H), self.gemm(x, H, kvh * hd), self.gemm(x, H, kvh * hd)
             for t, heads in ((q, nh), (k, kvh), (v, kvh)):
                 self.emit(f"{t} = {t}.view({x}.shape[0], {S}, {heads}, {hd}).transpose(1, 2)")
-            if kvh != nh:
-                for t in (k, v):
-                    self.emit(f"{t} = {t}.repeat_interleave({nh // kvh}, dim=1)")
+        sdpa = r.random() < 0.25 and prev is None
+        if kvh != nh and not (sdpa and r.random() < 0.4):  # else SDPA(enable_gqa=True) reads the groups
+            expanded, rep = True, nh // kvh
+            for t in (k, v):
+                if r.random() < 0.5:
+                    self.emit(f"{t} = {t}.repeat_interleave({rep}, dim=1)")
+                else:
+                    self.emit(f"{t} = {t}[:, :, None].expand({x}.shape[0], {kvh}, {rep}, {S}, {hd})"
+                              f".reshape({x}.shape[0], {nh}, {S}, {hd})")
         if r.random() < 0.3 and hd % 2 == 0:  # rotary arithmetic with cos/sin buffers
             cos, sin = self.code.name("cos"), self.code.name("sin")
             self.code.init.append(f"self.register_buffer('{cos}', torch.cos(torch.arange({S * hd}.0).view({S}, {hd})))")
@@ -190,9 +212,10 @@ class _Layer:
                           f"self.{sin}")
         y, scores = self.code.name("y"), None
         mask = r.choice(["none", "buffer", "triu", "additive"])
-        if r.random() < 0.25 and prev is None:
+        if sdpa:
             causal = ", is_causal=True" if mask != "none" else ""
-            self.emit(f"{y} = F.scaled_dot_product_attention({q}, {k}, {v}{causal})")
+            gqa = ", enable_gqa=True" if kvh != nh and not expanded else ""
+            self.emit(f"{y} = F.scaled_dot_product_attention({q}, {k}, {v}{causal}{gqa})")
         else:
             scores = self.code.name("s")
             if r.random() < 0.5:
@@ -215,7 +238,10 @@ class _Layer:
             p = self.code.name("p")
             self.emit(f"{p} = ({probs_in}).softmax(-1)")
             p = self.dropout(p)
-            self.emit(f"{y} = {p} @ {v}")
+            if r.random() < 0.5:
+                self.emit(f"{y} = {p} @ {v}")
+            else:
+                self.emit(f"{y} = torch.einsum('bhij,bhjd->bhid', {p}, {v})")
         if r.random() < 0.15:  # a per-head projection before the heads merge
             y = self.gemm(y, hd, hd, batched=True)
         merged = self.code.name("m")
