@@ -31,6 +31,7 @@ from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadat
                                                 view_as_pass)
 from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
                                         identity_dropout_pass)
+from fxpar.passes.frontend.autocast_regions import inline_autocast_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
                                                        place_meta_state_pass)
@@ -275,6 +276,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
     ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
     ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
+    ("autocast_regions", "gm", lambda c: inline_autocast_pass(c.gm)),  # `with torch.autocast` bodies as ops
     ("drop_asserts", "gm", lambda c: drop_metadata_asserts_pass(c.gm)),  # metadata-only asserts
     ("view_as", "gm", lambda c: view_as_pass(c.gm)),  # view_as spelled as the view it is
     ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
