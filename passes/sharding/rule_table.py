@@ -13,7 +13,7 @@ from types import MappingProxyType
 import torch
 from torch.fx import Node
 
-from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, einsum,
+from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, conv1d, einsum,
                                          elementwise, expand, gemm, getitem, like_input, norm, permute, reduction,
                                          repeat_interleave, reshape_as, sdpa, select, slice_, softmax, split, squeeze,
                                          stack, transpose, unsqueeze, view)
@@ -61,6 +61,7 @@ FAMILIES = (  # (rule, ops it covers)
     (batched_matmul, (aten.matmul, aten.bmm)),
     (einsum, (aten.einsum.default,)),
     (repeat_interleave, (aten.repeat_interleave,)),
+    (conv1d, (aten.conv1d.default, aten.conv1d.padding)),
     (gemm, tuple(GEMM_WEIGHT_ARG)),
     *((rule, (op,)) for op, rule in LOSS_RULES.items()),
 )

@@ -474,6 +474,29 @@ def _grouped_alike(ctx: Ctx, q: Node, kv: tuple, s: Shard) -> bool:
                     and s.size % g.size == 0 for g in groups))
 
 
+# --- conv1d: a depthwise conv (groups = channels: a hybrid layer's causal token mixer) is channel-wise, so it keeps
+# the channels sharded, each rank convolving its channels with its rows of the weight; over the batch it is per
+# sample. Over the length (the tokens it mixes) it refuses.
+def conv1d(node: Node, ctx: Ctx) -> Decision:
+    x, w = node.args[0], node.args[1]
+    bias = arg(node, "bias")
+    s, shape = ctx.p(x), ctx.shape(x)
+    others = [a for a in (w, bias) if isinstance(ctx.p(a), Shard)]
+    if others or len(shape) != 3 or not isinstance(s, Shard):
+        raise NoRule(f"{node.name}: conv1d with its weight or bias sharded, or an unbatched input")
+    if s.dim == 0:
+        return Decision(s, {a: None for a in (w, bias) if isinstance(a, Node)})
+    groups, channels, out = arg(node, "groups", 1), shape[1], ctx.shape(w)[0]
+    if s.dim != 1 or groups != channels or not s.plain:
+        raise NoRule(f"{node.name}: conv1d over its sharded dim {s.dim} ({s}), or not depthwise (groups {groups} of "
+                     f"{channels} channels): only a depthwise conv keeps channels apart")
+    _need_divisible(s, ctx.t, node)
+    block = plain_shard(0, out)
+    enter = {a: block for a in (w, bias) if isinstance(a, Node)}
+    stride, padding, dilation = arg(node, "stride", [1]), arg(node, "padding", [0]), arg(node, "dilation", [1])
+    return Decision(plain_shard(1, out), enter, args=(x, w, bias, stride, padding, dilation, groups // ctx.t))
+
+
 # --- matmul / bmm without a weight parameter (q @ k^T, probs @ v): batch dims pass through
 def batched_matmul(node: Node, ctx: Ctx) -> Decision:
     a, b = node.args[:2]
