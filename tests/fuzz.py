@@ -124,11 +124,12 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
         fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(want)))
         params = _sgd_gap(list(pm.parameters()), pm.full_state_dict, reference, got, want)
         sharded = bool(pm.plan.sharded_regions)
+        blocks = pm.compiled.sequence is not None and pm.compiled.sequence.applied
     except Exception as e:
         reason = _refusal(e)
         return {"outcome": "refused", "reason": reason} if reason else \
             {"outcome": "crash", "detail": traceback.format_exc()}
-    result = {"outcome": "exact" if max(fwd, params) <= tol else "mismatch", "sharded": sharded,
+    result = {"outcome": "exact" if max(fwd, params) <= tol else "mismatch", "sharded": sharded, "blocks": blocks,
               "gap": max(fwd, params), "detail": f"t=2: forward gap {fwd:.3g}, parameters after SGD {params:.3g}"}
     if not _everyone(result["outcome"] == "exact") or len(model.layers) < 2:
         return result  # every rank takes the same branch, or one would wait in a collective alone
@@ -241,6 +242,8 @@ def fuzz(seeds, out_dir: str | None = None) -> dict:
             counts[result["outcome"]] += 1
             if result["outcome"] == "exact":
                 counts["exact, sharded" if result.get("sharded") else "exact, replicated"] += 1
+                if result.get("blocks"):
+                    counts["exact, sequence blocks"] += 1
                 if "arbiter" in result:
                     counts["exact, float64 arbiter"] += 1
                     arbitrated.append(seed)
