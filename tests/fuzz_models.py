@@ -7,10 +7,11 @@ standalone file. The grammar covers the op families the rules cover and the haza
     GEMMs        nn.Linear, F.linear, x @ W.t(), x @ W, einsum('bsh,hf->bsf'), addmm on a flattened input, addmm
                  whose additive term is an activation or a broadcast column (with beta/alpha), a weight on the left
                  (W @ x^T)^T
-    activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up)
+    activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up), a
+                 causal depthwise conv1d over the tokens
     attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V (one GEMM
                  laid out per K/V group or as [q | k | v]; K/V expanded by repeat_interleave, by expand + reshape, or
-                 read by SDPA(enable_gqa=True)), einsum attention, rotary
+                 read by SDPA(enable_gqa=True)), einsum attention, rotary (in an autocast region or not)
                  arithmetic, scores by matmul or einsum, causal masks (a buffer, triu built in the graph, additive),
                  SDPA, attention dropout, a per-head projection, scores carried into the next layer
     norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
@@ -155,6 +156,10 @@ class _Layer:
             op = self.r.choice(["var(1, keepdim=True, unbiased=False)", "std(1, keepdim=True)", "mean(1, keepdim=True)",
                                 "norm(dim=1, keepdim=True)"])
             self.emit(f"{h} = {h} / (1 + {h}.{op}.abs())")
+        if self.r.random() < 0.15:  # a causal depthwise conv over the tokens (a hybrid layer's short convolution)
+            conv = self.code.name("conv")
+            self.code.init.append(f"self.{conv} = nn.Conv1d({F}, {F}, 3, groups={F}, padding=2)")
+            self.emit(f"{h} = self.{conv}({h}.transpose(1, 2))[..., :{self.c['S']}].transpose(1, 2)")
         if self.c["side"] and self.side is None:
             self.side = h  # a hidden activation returned by the model: a sharded value reaching the output
         return self.dropout(self.gemm(self.dropout(h), F, H))
@@ -206,10 +211,13 @@ class _Layer:
             cos, sin = self.code.name("cos"), self.code.name("sin")
             self.code.init.append(f"self.register_buffer('{cos}', torch.cos(torch.arange({S * hd}.0).view({S}, {hd})))")
             self.code.init.append(f"self.register_buffer('{sin}', torch.sin(torch.arange({S * hd}.0).view({S}, {hd})))")
+            region = r.random() < 0.4  # in an autocast region with autocast off, as training code writes it
+            if region:
+                self.emit("with torch.autocast('cpu', enabled=False):")
             for t in (q, k):
                 half = hd // 2
-                self.emit(f"{t} = {t} * self.{cos} + torch.cat([-{t}[..., {half}:], {t}[..., :{half}]], dim=-1) * "
-                          f"self.{sin}")
+                self.emit(f"{'    ' if region else ''}{t} = {t} * self.{cos} + torch.cat([-{t}[..., {half}:], "
+                          f"{t}[..., :{half}]], dim=-1) * self.{sin}")
         y, scores = self.code.name("y"), None
         mask = r.choice(["none", "buffer", "triu", "additive"])
         if sdpa:
