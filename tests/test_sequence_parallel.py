@@ -341,3 +341,11 @@ def test_weights_are_sharded_as_without_it():
     specs = [build(copy.deepcopy(model), TPComm(rank=0, size=2), args, config=fxpar.Config(sequence_parallel=on)).specs
              for on in (False, True)]
     assert specs[0] == specs[1] and specs[0]
+
+
+def test_two_sequences_of_different_lengths_leave_it_off_and_say_why():
+    """T5 with a decoder shorter than its encoder: one probe cannot name a sequence in both; off, with the lengths."""
+    model, args, kwargs = models.build("t5")
+    kwargs = dict(kwargs, decoder_input_ids=kwargs["decoder_input_ids"][:, :4])
+    pm = build(model, TPComm(rank=0, size=2), args, kwargs, config=SP)
+    assert "sequence parallelism: off (the regions' outputs have token dims [(2, 4), (2, 8)]" in str(pm.plan)

@@ -91,10 +91,13 @@ def sequence_analysis(gm: GraphModule, t: int, params: set[Node]) -> SequenceAna
     mixing = [k for k in candidates if _mixes(gm, tokens, k, params)]
     if len(mixing) != 1:
         same = {d for dims in tokens.values() for d in dims if dims.count(d) > 1}
+        kinds = sorted(set(tokens.values()))
         out.reason = (f"attention mixes tokens along the token dims of lengths {mixing}; one is the sequence, fxpar "
                       "cannot tell which" if mixing else
                       f"the batch and the sequence have the same length {sorted(same)}: trace with another batch size"
                       if same and not candidates else
+                      f"the regions' outputs have token dims {kinds} (two sequences of different lengths, as an "
+                      "encoder's and a decoder's): one sequence length is split, not two" if len(kinds) > 1 else
                       "no attention mixes tokens along a dim of the residual stream: there is no sequence to split")
         return out
     out.length = k = mixing[0]
