@@ -349,3 +349,23 @@ def test_two_sequences_of_different_lengths_leave_it_off_and_say_why():
     kwargs = dict(kwargs, decoder_input_ids=kwargs["decoder_input_ids"][:, :4])
     pm = build(model, TPComm(rank=0, size=2), args, kwargs, config=SP)
     assert "sequence parallelism: off (the regions' outputs have token dims [(2, 4), (2, 8)]" in str(pm.plan)
+
+
+class _EndsAtG(torch.nn.Module):
+    """A layer whose row-parallel GEMM's output is the model's output: the reduce-scattered block itself is gathered
+    before it is returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt, self.args = _gpt(layers=1, seq=8)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16, bias=False)  # g is the output
+
+    def forward(self, ids):
+        h = self.gpt.h[0](self.gpt.wte(ids))
+        return self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+def test_a_block_read_whole_straight_from_its_reduce_scatter_is_gathered():
+    model = _EndsAtG()
+    plan = _exact(model, model.args, {})
+    assert "gathered before output (module <root>): the model's outputs are whole" in plan, plan

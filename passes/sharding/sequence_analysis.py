@@ -59,7 +59,7 @@ class SequenceAnalysis:
     seeds: dict[Node, Shard] = field(default_factory=dict)  # g / vocab lookup -> the block each rank keeps
     entries: dict[Node, Shard] = field(default_factory=dict)  # f -> the all-gather it becomes
     decisions: dict[Node, Decision] = field(default_factory=dict)  # ops run on sequence blocks
-    placements: dict[Node, Placement] = field(default_factory=dict)
+    placements: dict[Node, Placement] = field(default_factory=dict)  # of the seeds and the decided ops
     ends: dict[Node, str] = field(default_factory=dict)  # node -> why its sharded inputs are gathered before it
     grad_nodes: set[Node] = field(default_factory=set)
     reason: str = ""  # why sequence parallelism is off, where it is
@@ -69,7 +69,7 @@ class SequenceAnalysis:
         return bool(self.seeds)
 
     def lines(self) -> list[str]:
-        """The plan's account: the dim, what was converted, where the blocks were gathered and why."""
+        """The plan's account: the sequence, what was converted, where the blocks were gathered and why."""
         if not self.applied:
             return [f"sequence parallelism: off ({self.reason})"] if self.reason else []
         out = [f"sequence parallelism: the sequence (the token dim of length {self.length}) in t={self.t} blocks; "
@@ -110,7 +110,7 @@ def sequence_analysis(gm: GraphModule, t: int, params: set[Node]) -> SequenceAna
     out.seeds = {n: _block(n, dims, k) for n, dims in tokens.items()}
     out.grad_nodes = grad_nodes(gm, params)
     _spread(gm, out, Ctx(dict(out.seeds), t, params))
-    out.placements = {n: p for n, p in out.placements.items() if n in out.seeds or n in out.decisions}
+    out.placements = {**out.seeds, **{n: d.out for n, d in out.decisions.items()}}
     return out
 
 
@@ -210,7 +210,7 @@ def _spread(gm: GraphModule, out: SequenceAnalysis, ctx: Ctx) -> None:
             out.ends[n] = why
             continue
         out.decisions[n] = d
-        ctx.placements[n] = out.placements[n] = d.out
+        ctx.placements[n] = d.out
         if is_sharded(d.out):
             for u in n.users:
                 heapq.heappush(heap, (order[u], id(u), u))
