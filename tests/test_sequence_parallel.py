@@ -369,3 +369,28 @@ def test_a_block_read_whole_straight_from_its_reduce_scatter_is_gathered():
     model = _EndsAtG()
     plan = _exact(model, model.args, {})
     assert "gathered before output (module <root>): the model's outputs are whole" in plan, plan
+
+
+class _WritesBetweenLayers(torch.nn.Module):
+    """`y[:, 0] = 0` between the layers: an in-place write into the residual stream (select + fill_ in the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt, self.args = _gpt(layers=2, seq=8)
+
+    def forward(self, ids):
+        g = self.gpt
+        y = g.h[0](g.wte(ids)) * 1.0
+        y[:, 0] = 0.0
+        return g.lm_head(g.ln_f(g.h[1](y)))
+
+
+def test_an_in_place_write_between_regions_leaves_it_off_and_names_the_op():
+    torch.manual_seed(0)
+    model = _WritesBetweenLayers()
+    results = on_tp_ranks(model, model.args, lambda pm, ref: ((pm(*model.args) - ref(*model.args)).abs().max().item(),
+                                                              str(pm.plan)), config=SP)
+    for gap, plan in results:
+        assert gap <= TOL, gap
+        assert "sequence parallelism: off (fill_" in plan, plan
+        assert "writes in place into a value between the regions" in plan, plan

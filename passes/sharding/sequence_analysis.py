@@ -16,6 +16,9 @@ Glossary
     end        a node that reads a sequence-sharded value and is not token-wise along it (a cumulative sum over
                positions, a pooling, the model's output): the value is all-gathered before it, and the plan says why
 
+A write in place into a value on blocks (`y[:, 0] = 0` between the layers) would write a block where the model
+writes the sequence, and later readers would miss it: sequence parallelism then stays off and the plan names the op.
+
 Pattern: probe each candidate (a token dim's length, which names the dim in every seed whatever its order: [b, s, h],
 [s, b, h], rows flattened either way) by propagating blocks along it from every seed with the op rules
 (passes/sharding/rules.py), through f as if it were the identity, into the regions. The length whose propagation the
@@ -39,6 +42,7 @@ from torch.fx import GraphModule, Node
 
 import math
 
+from fxpar.passes.ir.aliasing import Storage, writes
 from fxpar.passes.ir.meta import Comm, comm_kind
 from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Shard
@@ -111,7 +115,23 @@ def sequence_analysis(gm: GraphModule, t: int, params: set[Node]) -> SequenceAna
     out.grad_nodes = grad_nodes(gm, params)
     _spread(gm, out, Ctx(dict(out.seeds), t, params))
     out.placements = {**out.seeds, **{n: d.out for n, d in out.decisions.items()}}
+    writer = _writes_into(gm, set(out.seeds) | set(out.decisions) | set(out.ends))
+    if writer is not None:
+        return SequenceAnalysis(t, reason=f"{describe(writer)} writes in place into a value between the regions (a "
+                                          "block would be written, not the sequence)")
     return out
+
+
+def _writes_into(gm: GraphModule, values: set[Node]) -> Node | None:
+    """The first op that writes in place into the storage of one of `values` (or of a view of one), if any."""
+    storage = Storage()
+    for n in gm.graph.nodes:
+        written = writes(n) if n.op == "call_function" else []
+        if written is None:
+            written = n.all_input_nodes  # a mutable op whose written arguments the schema does not name
+        if any(storage.roots(a) & values for a in written):
+            return n
+    return None
 
 
 def _shape(n: Node) -> tuple:
