@@ -394,3 +394,13 @@ def test_an_in_place_write_between_regions_leaves_it_off_and_names_the_op():
         assert gap <= TOL, gap
         assert "sequence parallelism: off (fill_" in plan, plan
         assert "writes in place into a value between the regions" in plan, plan
+
+
+def test_gemms_on_flattened_rows_save_blocks_too():
+    """GPT-2's Conv1D (`addmm(b, x.view(-1, h), w)` with w [in, out]): each layer's all-gathers are joined with their
+    GEMMs, the 2-D view inside, so no layer saves a whole gathered sequence. The one before the LM head reaches its
+    GEMM through a 3-D view and an alias, and stays a plain all-gather."""
+    model, args, kwargs = models.build("gpt2")
+    gm = build(model, TPComm(rank=0, size=2), args, kwargs, config=SP).graph_module
+    kinds = collections.Counter(comm_kind(n) for n in gm.graph.nodes)
+    assert kinds[Comm.SEQ_GATHER_LINEAR] == 4 and kinds[Comm.SEQ_GATHER] == 1, kinds

@@ -150,14 +150,17 @@ class _SeqReduceScatter(torch.autograd.Function):
 
 
 class _SeqGatherLinear(torch.autograd.Function):
-    """linear(all_gather(x), w_i, b_i) for each GEMM i; saves x (the block) and the weights. The math is that of
-    aten.linear in the GEMMs' compute dtype: dx = sum_i g_i w_i, dw_i = g_i^T x, db_i = sum g_i."""
+    """The GEMMs of all_gather(x) (its rows flattened to 2-D first where `flat`): per GEMM i, `kinds[i]` is "linear"
+    (y = x w^T + b, w [out, in]) or "mm" (y = x w + b, w [in, out], as addmm / mm). Saves x (the block) and the
+    weights. The math is the ops' own in the GEMMs' compute dtype: dx = sum_i g_i w_i^T (or w_i), dw_i, db_i."""
 
     @staticmethod
-    def forward(ctx, x, comm, spec, *weights):
-        ctx.comm, ctx.spec = comm, spec
-        full = comm.gather(x, spec)
-        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights[::2], weights[1::2]))
+    def forward(ctx, x, comm, spec, flat, kinds, *weights):
+        ctx.comm, ctx.spec, ctx.flat, ctx.kinds = comm, spec, flat, kinds
+        rows = _rows(comm.gather(x, spec), flat)
+        outs = tuple(torch.nn.functional.linear(rows, w, b) if kind == "linear" else
+                     (rows @ w if b is None else torch.addmm(b, rows, w))
+                     for kind, w, b in zip(kinds, weights[::2], weights[1::2]))
         ctx.save_for_backward(x, *weights)
         return outs
 
@@ -165,17 +168,24 @@ class _SeqGatherLinear(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         full = ctx.comm.gather(x, ctx.spec)
+        rows = _rows(full, ctx.flat)
         dx, dweights = None, []
-        for g, w, b in zip(grads, weights[::2], weights[1::2]):
+        for g, kind, w, b in zip(grads, ctx.kinds, weights[::2], weights[1::2]):
             if g is None:
                 dweights += [None, None]
                 continue
-            rows, inputs = g.reshape(-1, g.shape[-1]), full.reshape(-1, full.shape[-1]).to(g.dtype)
-            part = g @ w.to(g.dtype)
+            g2, inputs = g.reshape(-1, g.shape[-1]), rows.reshape(-1, rows.shape[-1]).to(g.dtype)
+            linear = kind == "linear"
+            part = g @ (w if linear else w.t()).to(g.dtype)
             dx = part if dx is None else dx + part
-            dweights += [(rows.t() @ inputs).to(w.dtype), None if b is None else rows.sum(0).to(b.dtype)]
-        dx = torch.zeros_like(full) if dx is None else dx.to(full.dtype)
-        return (ctx.comm.reduce_scatter(dx, ctx.spec), None, None, *dweights)
+            dw = g2.t() @ inputs if linear else inputs.t() @ g2
+            dweights += [dw.to(w.dtype), None if b is None else g2.sum(0).to(b.dtype)]
+        dx = torch.zeros_like(full) if dx is None else dx.to(full.dtype).reshape(full.shape)
+        return (ctx.comm.reduce_scatter(dx, ctx.spec), None, None, None, None, *dweights)
+
+
+def _rows(full: torch.Tensor, flat: bool) -> torch.Tensor:
+    return full.reshape(-1, full.shape[-1]) if flat else full
 
 
 class _FMany(torch.autograd.Function):
@@ -251,11 +261,12 @@ class ReduceScatterSequence(_TPModule):
 
 
 class GatherSequenceLinear(_TPModule):
-    """seq_gather_linear: the sequence blocks gathered into GEMMs (`weights`: weight, bias-or-None per GEMM); returns
-    the GEMMs' outputs."""
+    """seq_gather_linear: the sequence blocks gathered into GEMMs (`weights`: weight, bias-or-None per GEMM; `kinds`:
+    "linear" or "mm" per GEMM; `flat`: the GEMMs read the gathered rows flattened to 2-D); returns their outputs."""
 
-    def forward(self, x, weights: list, dim: int, parts: tuple, pre: int = 1, post: int = 1):
-        return _SeqGatherLinear.apply(x, self.comm, Shard(dim, tuple(parts), pre, post), *weights)
+    def forward(self, x, weights: list, kinds: tuple, dim: int, parts: tuple, pre: int = 1, post: int = 1,
+                flat: bool = False):
+        return _SeqGatherLinear.apply(x, self.comm, Shard(dim, tuple(parts), pre, post), flat, tuple(kinds), *weights)
 
 
 class CopyManyToTP(_TPModule):

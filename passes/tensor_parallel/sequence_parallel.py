@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.frontend.layers import find_layers
+from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.meta import (FXPAR_COMM, FXPAR_PLACEMENT, PARAMETER, Comm, comm_kind, copy_meta, input_of,
                                   module_path)
 from fxpar.passes.ir.placements import Replicate, Shard
@@ -117,15 +118,21 @@ def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        gemms = sorted(node.users, key=order.get)
-        if comm_kind(node) != Comm.SEQ_GATHER or not gemms or not all(_reads_as_input(u, node) for u in gemms):
+        if comm_kind(node) != Comm.SEQ_GATHER:
             continue
-        weights = [w for u in gemms for w in (u.args[1], u.args[2] if len(u.args) > 2 else None)]
+        flat = _flattened(node)  # the rows flattened to 2-D first (a GEMM spelled on rows: GPT-2's Conv1D)
+        reader = flat or node
+        gemms = sorted(reader.users, key=order.get)
+        forms = [_form(u, reader) for u in gemms]
+        if not gemms or None in forms:
+            continue
+        weights = [w for form in forms for w in form[1:]]
         if any(isinstance(w, Node) and order[w] > order[gemms[0]] for w in weights):
             continue  # a weight computed after the first GEMM: the joined op could not run where it stands
         with gm.graph.inserting_before(gemms[0]):
             fused = gm.graph.call_module(comm_module(gm, Comm.SEQ_GATHER_LINEAR, comm), node.args,
-                                         {"weights": weights, **node.kwargs})
+                                         {"weights": weights, "kinds": tuple(f[0] for f in forms), **node.kwargs,
+                                          "flat": flat is not None})
             outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(gemms))]
         copy_meta(gemms[0], fused, keys=("nn_module_stack", "stack_trace"))
         fused.meta.update({FXPAR_COMM: Comm.SEQ_GATHER_LINEAR, "val": tuple(u.meta.get("val") for u in gemms),
@@ -134,6 +141,8 @@ def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
             copy_meta(gemm, out, keys=tuple(gemm.meta))
             gemm.replace_all_uses_with(out)
             gm.graph.erase_node(gemm)
+        if flat is not None:
+            gm.graph.erase_node(flat)
         gm.graph.erase_node(node)
         gm.delete_submodule(node.target)
         changed = True
@@ -143,7 +152,26 @@ def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
     return gm
 
 
-def _reads_as_input(user: Node, node: Node) -> bool:
-    """user is a GEMM reading node as its input, and only there."""
-    return (user.op == "call_function" and user.target is torch.ops.aten.linear.default and user.args[0] is node
-            and node not in user.args[1:] and not user.kwargs)
+def _flattened(node: Node) -> Node | None:
+    """The only reader of node, when it is a view of its rows as 2-D (`x.view(-1, h)`), else None."""
+    if len(node.users) != 1:
+        return None
+    view = next(iter(node.users))
+    shape, full = view.meta.get("val"), node.meta.get("val")
+    if view.op != "call_function" or view.target not in ROW_VIEWS or shape is None or full is None:
+        return None
+    return view if shape.dim() == 2 and shape.shape[-1] == full.shape[-1] and full.dim() > 2 else None
+
+
+def _form(user: Node, node: Node) -> tuple | None:
+    """("linear" or "mm", weight, bias or None) of a GEMM reading node as its input and only there, else None."""
+    if user.op != "call_function" or user.kwargs:
+        return None
+    args, aten = user.args, torch.ops.aten
+    if user.target is aten.linear.default and args[0] is node and node not in args[1:]:
+        return "linear", args[1], args[2] if len(args) > 2 else None
+    if user.target is aten.mm.default and args[0] is node and args[1] is not node:
+        return "mm", args[1], None
+    if user.target is aten.addmm.default and len(args) == 3 and args[1] is node and node not in (args[0], args[2]):
+        return "mm", args[2], args[0]
+    return None
