@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 if __package__:  # imported as benchmarks.sequence_parallel (the tests)
     from benchmarks import common
+    from benchmarks.tp_step import train_step
 else:  # run as a script: benchmarks/ is sys.path[0]
     import common
+    from tp_step import train_step
 
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
@@ -96,21 +98,10 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -
         models[name] = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=t), example_args=(ids,),
                                          config=fxpar.Config(sequence_parallel=sp))
         errors[name] = abs(loss_fn(models[name](ids), target).item() - ref_loss)
-    step_fns = {name: _train_step(models[name], ids, target) for name in VARIANTS}
+    step_fns = {name: train_step(models[name], ids, target) for name in VARIANTS}
     timed = common.time_rounds(step_fns, rounds, steps, warmup, barrier=True, reduce=dist.ReduceOp.MAX)
     return {"times": timed["times"], "cpu": timed["cpu"], "errors": errors,
             "config": dict(vars(cfg)) | {"batch": batch, "t": t, "rounds": rounds, "steps": steps}}
-
-
-def _train_step(model, ids, target, lr: float = 1e-3):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(ids), target).backward()
-        opt.step()
-
-    return step
 
 
 def time_table(result: dict) -> str:

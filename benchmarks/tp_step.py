@@ -169,14 +169,15 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, c
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         errors = {name: (err[2 * i].item(), err[2 * i + 1].item()) for i, name in enumerate(VARIANTS)}
 
-    step_fns = {name: _train_step(models[name], ids, target) for name in VARIANTS}
+    step_fns = {name: train_step(models[name], ids, target) for name in VARIANTS}
     timed = common.time_rounds(step_fns, rounds, steps, warmup, barrier=True,
                                reduce=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     return {"times": timed["times"], "cpu": timed["cpu"], "errors": errors,
             "config": dict(vars(cfg)) | {"batch": batch, "t": t, "rounds": rounds, "steps": steps}}
 
 
-def _train_step(model, ids, target, lr: float = 1e-3):
+def train_step(model, ids, target, lr: float = 1e-3):
+    """One train step of `model` (forward, the GPT's loss, backward, SGD) as a function of nothing, for the timer."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step():
