@@ -27,8 +27,8 @@ from torch.fx import GraphModule
 
 from fxpar.config import Config
 from fxpar.passes.sharding.analysis import Analysis, analyze, check_divisible, weight_specs
-from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadata_asserts_pass, merge_aliases_pass,
-                                                view_as_pass)
+from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadata_asserts_pass, fresh_in_place_pass,
+                                                merge_aliases_pass, view_as_pass)
 from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
                                         identity_dropout_pass)
 from fxpar.passes.frontend.autocast_regions import inline_autocast_pass
@@ -279,6 +279,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("autocast_regions", "gm", lambda c: inline_autocast_pass(c.gm)),  # `with torch.autocast` bodies as ops
     ("drop_asserts", "gm", lambda c: drop_metadata_asserts_pass(c.gm)),  # metadata-only asserts
     ("view_as", "gm", lambda c: view_as_pass(c.gm)),  # view_as spelled as the view it is
+    ("fresh_in_place", "gm", lambda c: fresh_in_place_pass(c.gm)),  # `a.add_(b)` on a fresh a nobody else reads
     ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
     ("gemm_forms", "gm", lambda c: gemm_forms_pass(c.gm)),  # every weight contraction as linear / mm / addmm
     ("analyze", "analysis", _analyze),  # placements and regions of column- then row-parallel GEMMs

@@ -99,3 +99,77 @@ add_1 = add.Tensor(x, linear_1)
 embedding = embedding.default(p_wte_weight, ids)
 linear = linear.default(embedding, p_wte_weight)
 """)
+
+
+class InPlace(nn.Module):
+    """An MLP that adds a bias and scales in place on fresh GEMM outputs (as Hugging Face's experts add theirs), and
+    in-place writes the pass must leave alone: into a view, into a value read again, and one that keeps a narrower
+    dtype than its operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(H, F, bias=False), nn.Linear(F, H)
+        self.b = nn.Parameter(torch.randn(F))
+
+    def forward(self, x):
+        h = self.up(x).add_(self.b).mul_(2.0)
+        y = self.down(torch.relu(h))
+        z = x * 3
+        z[:, 0].add_(1.0)  # into a view: writes z
+        w = x + 1
+        u = w * 3  # w read before it is written
+        w.mul_(2.0)
+        half = torch.zeros_like(x, dtype=torch.bfloat16).add_(x)  # bf16 += fp32 stays bf16; add would give fp32
+        return y + z + u + w + half.float()
+
+
+def test_fresh_in_place_ops_become_out_of_place_and_nothing_else():
+    from fxpar.passes.frontend.canonicalize import fresh_in_place_pass
+
+    model, x = InPlace(), torch.randn(2, 3, H)
+    traced = trace(model, (x,))
+    gm = fresh_in_place_pass(torch.fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph)))
+    TestCase().assertExpectedInline(graph_text(gm, placements=False), """\
+linear = linear.default(x, p_up_weight)
+add_ = add.Tensor(linear, p_b)
+mul_ = mul.Tensor(add_, 2.0)
+relu = relu.default(mul_)
+linear_1 = linear.default(relu, p_down_weight, p_down_bias)
+mul = mul.Tensor(x, 3)
+select = select.int(mul, 1, 0)
+add__1 = add_.Tensor(select, 1.0)
+add = add.Tensor(x, 1)
+mul_1 = mul.Tensor(add, 3)
+mul__1 = mul_.Tensor(add, 2.0)
+zeros_like = zeros_like.default(x)
+add__2 = add_.Tensor(zeros_like, x)
+add_1 = add.Tensor(linear_1, mul)
+add_2 = add.Tensor(add_1, mul_1)
+add_3 = add.Tensor(add_2, mul__1)
+_assert_tensor_metadata_default = _assert_tensor_metadata.default(add__2)
+to = to.dtype(add__2, torch.float32)
+add_4 = add.Tensor(add_3, to)
+""")
+    flat = [dict(model.named_parameters())[gi.key] if gi.kind == "parameter" else x for gi in traced.inputs]
+    assert torch.equal(gm(*flat)[0], traced.gm(*flat)[0])
+
+
+def test_a_bias_added_in_place_keeps_the_mlp_sharded_and_exact():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, H)
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(H, F, bias=False), nn.Linear(F, H)
+            self.b = nn.Parameter(torch.randn(F))
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x).add_(self.b)))
+
+    def measure(pm, reference):
+        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+        return (*sgd_gaps(pm, reference, (x,)), share)
+
+    for fwd, params, share in on_tp_ranks(Mlp(), (x,), measure):
+        assert fwd <= 1e-5 and params <= 1e-5 and share == (8 * 8 + 8 + 8 * 8 + 8) / (2 * 128 + 16 + 8), share

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.passes.sharding import rules
+from fxpar.passes.sharding import mixer_rules, rules
 from fxpar.passes.ir.placements import Partial
 from fxpar.passes.sharding.rule_table import rule_for
 from fxpar.passes.sharding.rules import Decision, Indivisible, NoRule
@@ -57,8 +57,8 @@ def zoo() -> Graph:
     (aten.softmax.int, rules.softmax), (aten.log_softmax.int, rules.softmax), (aten._softmax.default, rules.softmax),
     (aten.sum.dim_IntList, rules.reduction), (aten.mean.dim, rules.reduction), (aten.amax.default, rules.reduction),
     (aten.var.dim, rules.reduction), (aten.layer_norm.default, rules.norm), (aten.rms_norm.default, rules.norm),
-    (aten.scaled_dot_product_attention.default, rules.sdpa),
-    (aten.matmul.default, rules.batched_matmul), (aten.bmm.default, rules.batched_matmul),
+    (aten.scaled_dot_product_attention.default, mixer_rules.sdpa),
+    (aten.matmul.default, mixer_rules.batched_matmul), (aten.bmm.default, mixer_rules.batched_matmul),
     (aten.linear.default, rules.gemm), (aten.mm.default, rules.gemm), (aten.addmm.default, rules.gemm),
 ])
 def test_rule_for_finds_the_family(zoo, target, rule):
@@ -279,7 +279,8 @@ def test_slice_one_part_of_a_fused_shard(shard, start, end, local):
 
 @pytest.mark.parametrize("fn,shard,why", [
     (lambda x: x[..., 8:16], S(2, 96), r"\[8:16:1\]"),  # inside one rank's block
-    (lambda x: x[..., ::2], S(2, 96), r"\[0:96:2\]"),  # strided
+    (lambda x: x[..., ::3], S(2, 32, 32, 32), r"\[0:96:3\]"),  # strided, a shard's block not a multiple of 3
+    (lambda x: x[..., 2::2], S(2, 96), r"\[2:96:2\]"),  # strided from past the first step
     (lambda x: x[..., 16:48], S(2, 32, 32, 32), r"\[16:48:1\]"),  # straddles q and k
 ])
 def test_slice_refuses_across_shards(fn, shard, why):
@@ -287,6 +288,16 @@ def test_slice_refuses_across_shards(fn, shard, why):
     (x,) = g.inputs
     with pytest.raises(NoRule, match=why + " across the shards of dim 2"):
         rules.slice_(g.node(aten.slice.Tensor), ctx({x: shard}))
+
+
+@pytest.mark.parametrize("start,shard,out", [
+    (0, S(2, 96), S(2, 48)), (1, S(2, 96), S(2, 48)),  # GPT-OSS's interleaved gate|up: [::2] and [1::2]
+    (0, S(2, 32, 32, 32), S(2, 16, 16, 16)),  # every other column of each part
+])
+def test_slice_every_step_th_element_of_aligned_blocks(start, shard, out):
+    g = export(lambda x: x[..., start::2], (2, 8, 96))
+    (x,) = g.inputs
+    assert rules.slice_(g.node(aten.slice.Tensor), ctx({x: shard})) == Decision(out, args=(x, 2, start, 48, 2))
 
 
 # --- split / split_with_sizes / chunk / unbind: other dims pass through; on the sharded dim the pieces are its parts
@@ -378,7 +389,18 @@ def test_cat_inputs_sharded_alike():
     assert rules.cat(g.node(aten.cat.default), ctx({x: S(2, 32), y: S(2, 32)})) == Decision(S(2, 32))
 
 
-@pytest.mark.parametrize("dim,py", [(2, R), (-1, S(2, 32)), (0, S(1, 8))])
+@pytest.mark.parametrize("sizes,shards,out", [
+    ((32, 16, 16), (S(2, 32), S(2, 16), S(2, 16)), S(2, 32, 16, 16)),  # q|k|v projected apart, joined for a conv
+    ((32, 32), (S(2, 32), S(2, 32)), S(2, 32, 32)),
+    ((96, 16), (S(2, 32, 32, 32), S(2, 16)), S(2, 32, 32, 32, 16)),  # a fused input's parts stay parts
+])
+def test_cat_along_the_sharded_dim_makes_each_input_parts(sizes, shards, out):
+    g = export(lambda *xs: torch.cat(xs, -1), *((2, 8, n) for n in sizes))
+    got = rules.cat(g.node(aten.cat.default), ctx(dict(zip(g.inputs, shards))))
+    assert got == Decision(out), got
+
+
+@pytest.mark.parametrize("dim,py", [(2, R), (0, S(1, 8))])
 def test_cat_refuses_along_or_across_shards(dim, py):
     g = export(lambda x, y: torch.cat([x, y], dim), (2, 8, 32), (2, 8, 32))
     x, y = g.inputs
@@ -405,3 +427,50 @@ def test_stack_refuses_differently_sharded_inputs():
     x, y = g.inputs
     with pytest.raises(NoRule, match=r"stacks differently sharded inputs \(S\(2\), S\(1\)\)"):
         rules.stack(g.node(aten.stack.default), ctx({x: S(2, 32), y: S(1, 8)}))
+
+
+# --- pad, tril / triu, zeros_like, copy_: the ops of a chunked scan (tests/test_linear_attention.py)
+@pytest.mark.parametrize("widths,ok", [((0, 0, 0, 2), True), ((0, 2), True), ((0, 0, 0, 0, 1, 1), False)])
+def test_pad_other_dims_only(widths, ok):
+    g = export(lambda x: F.pad(x, widths), (2, 4, 8, 16))  # [b, heads, s, hd], heads sharded
+    (x,) = g.inputs
+    node = next(n for n in g.gm.graph.nodes if rule_for(n) is rules.pad)
+    if ok:
+        assert rules.pad(node, ctx({x: S(1, 4)})) == Decision(S(1, 4))
+    else:
+        with pytest.raises(NoRule, match="pads the sharded dim 1"):
+            rules.pad(node, ctx({x: S(1, 4)}))
+
+
+@pytest.mark.parametrize("fn", [torch.tril, torch.triu])
+def test_tril_triu_mask_the_last_two_dims(fn):
+    g = export(lambda x: fn(x, 1), (2, 4, 8, 8))
+    (x,) = g.inputs
+    node = g.node(aten.tril.default if fn is torch.tril else aten.triu.default)
+    assert rules.triangular(node, ctx({x: S(1, 4)})) == Decision(S(1, 4))
+    with pytest.raises(NoRule, match="masks the sharded dim 3"):
+        rules.triangular(node, ctx({x: S(3, 8)}))
+
+
+def test_zeros_like_is_sharded_as_its_input():
+    g = export(lambda x: torch.zeros_like(x) + 1, (2, 4, 8))
+    (x,) = g.inputs
+    assert rules.constant_like(g.node(aten.zeros_like.default), ctx({x: S(1, 4)})) == Decision(S(1, 4))
+
+
+def test_copy_into_a_sharded_buffer():
+    def fill(x, y):
+        out = torch.zeros_like(x)
+        out[:, :, :2] = y
+        return out
+
+    g = export(fill, (2, 4, 8), (2, 4, 2))
+    x, y = g.inputs
+    node = g.node(aten.copy_.default)
+    dst = node.args[0]
+    assert rules.copy_into(node, ctx({dst: S(1, 4), y: S(1, 4)})) == Decision(S(1, 4))
+    assert rules.copy_into(node, ctx({dst: S(1, 4)})) == Decision(S(1, 4), {y: S(1, 4)})  # y scattered
+    with pytest.raises(NoRule, match="writes a sharded value into the replicated"):
+        rules.copy_into(node, ctx({y: S(1, 4)}))
+    with pytest.raises(NoRule, match="inputs sharded differently"):
+        rules.copy_into(node, ctx({dst: S(1, 4), y: S(2, 2)}))

@@ -1,6 +1,6 @@
-"""Unit tests of the sharding rules of passes/sharding/rules.py that compute over dims: softmax, reductions, norms,
-SDPA, batched matmul and GEMMs with a weight parameter. Placement in, Decision (or a refusal) out; see
-tests/test_rules.py for how the graphs are made.
+"""Unit tests of the sharding rules of passes/sharding/rules.py and mixer_rules.py that compute over dims: softmax,
+reductions, norms, SDPA, batched matmul, baddbmm and GEMMs with a weight parameter. Placement in, Decision (or a
+refusal) out; see tests/test_rules.py for how the graphs are made.
 
 The tests at the end pin corners that once went wrong (an argument read by position, a dtype donor scattered, a
 sharded weight operand, a mask scattered twice).
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpar.passes.sharding import rules
+from fxpar.passes.sharding import mixer_rules, rules
 from fxpar.passes.sharding.rule_table import rule_for
 from fxpar.passes.sharding.rules import Decision, Indivisible, NoRule, Role
 from tests.rule_helpers import R, S, aten, ctx, export
@@ -122,14 +122,14 @@ def test_sdpa_sharded_heads_or_batch(shard):
     g = _sdpa()
     q, k, v = g.inputs
     node = g.node(aten.scaled_dot_product_attention.default)
-    assert rules.sdpa(node, ctx({q: shard, k: shard, v: shard})) == Decision(shard)
+    assert mixer_rules.sdpa(node, ctx({q: shard, k: shard, v: shard})) == Decision(shard)
 
 
 def test_sdpa_scatters_a_replicated_value():
     g = _sdpa()
     q, k, v = g.inputs
     node = g.node(aten.scaled_dot_product_attention.default)
-    assert rules.sdpa(node, ctx({q: S(1, 4), k: S(1, 4)})) == Decision(S(1, 4), {v: S(1, 4)})
+    assert mixer_rules.sdpa(node, ctx({q: S(1, 4), k: S(1, 4)})) == Decision(S(1, 4), {v: S(1, 4)})
 
 
 @pytest.mark.parametrize("mask_shape,how", [
@@ -142,7 +142,7 @@ def test_sdpa_attn_mask_scattered_or_broadcast(mask_shape, how):
     g = _sdpa(mask_shape)
     q, k, v, m = g.inputs
     node = g.node(aten.scaled_dot_product_attention.default)
-    assert rules.sdpa(node, ctx({q: S(1, 4), k: S(1, 4), v: S(1, 4)})) == Decision(S(1, 4), {m: how})
+    assert mixer_rules.sdpa(node, ctx({q: S(1, 4), k: S(1, 4), v: S(1, 4)})) == Decision(S(1, 4), {m: how})
 
 
 def test_sdpa_refuses_grouped_kv_heads():
@@ -150,7 +150,7 @@ def test_sdpa_refuses_grouped_kv_heads():
                (2, 4, 8, 8), (2, 2, 8, 8), (2, 2, 8, 8))
     q, k, v = g.inputs
     with pytest.raises(NoRule, match="grouped k/v heads 2 vs query heads 4"):
-        rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: S(1, 4)}))
+        mixer_rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: S(1, 4)}))
 
 
 @pytest.mark.parametrize("pq,pk", [(S(2, 8), S(2, 8)), (S(3, 8), S(3, 8)), (S(1, 4), S(0, 2))])
@@ -158,7 +158,7 @@ def test_sdpa_refuses_sequence_head_dim_or_unlike_shards(pq, pk):
     g = _sdpa()
     q, k, v = g.inputs
     with pytest.raises(NoRule, match="q/k/v must be sharded alike on a batch or heads dim"):
-        rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: pq, k: pk, v: pk}))
+        mixer_rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: pq, k: pk, v: pk}))
 
 
 # --- matmul / bmm without a weight: batch dims (and the free m / n dims) pass through; never the contraction
@@ -173,14 +173,14 @@ def test_batched_matmul(a_shape, b_shape, pa, pb, out, enter):
     g = export(torch.matmul, a_shape, b_shape)
     a, b = g.inputs
     nodes = {"a": a, "b": b}
-    got = rules.batched_matmul(g.node(aten.matmul.default), ctx({a: pa, b: pb}))
+    got = mixer_rules.batched_matmul(g.node(aten.matmul.default), ctx({a: pa, b: pb}))
     assert got == Decision(out, {nodes[k]: how for k, how in enter.items()})
 
 
 def test_bmm_scatters_a_replicated_operand():
     g = export(torch.bmm, (4, 8, 16), (4, 16, 8))
     a, b = g.inputs
-    assert rules.batched_matmul(g.node(aten.bmm.default), ctx({a: S(0, 4)})) == Decision(S(0, 4), {b: S(0, 4)})
+    assert mixer_rules.batched_matmul(g.node(aten.bmm.default), ctx({a: S(0, 4)})) == Decision(S(0, 4), {b: S(0, 4)})
 
 
 @pytest.mark.parametrize("pa,pb,why", [
@@ -192,14 +192,14 @@ def test_batched_matmul_refusals(pa, pb, why):
     g = export(torch.matmul, (2, 8, 16), (2, 16, 4))
     a, b = g.inputs
     with pytest.raises(NoRule, match=why):
-        rules.batched_matmul(g.node(aten.matmul.default), ctx({a: pa, b: pb}))
+        mixer_rules.batched_matmul(g.node(aten.matmul.default), ctx({a: pa, b: pb}))
 
 
 def test_batched_matmul_refuses_a_vector_operand():
     g = export(torch.matmul, (2, 8, 16), (16,))
     a, b = g.inputs
     with pytest.raises(NoRule, match="vector matmul of a sharded tensor"):
-        rules.batched_matmul(g.node(aten.matmul.default), ctx({a: S(1, 8)}))
+        mixer_rules.batched_matmul(g.node(aten.matmul.default), ctx({a: S(1, 8)}))
 
 
 # --- GEMMs with a weight parameter: row-parallel on a sharded contraction; pass-through on a sharded batch/row dim
@@ -296,5 +296,19 @@ def test_sdpa_keeps_an_already_sharded_mask():
     g = _sdpa((2, 4, 8, 8))
     q, k, v, m = g.inputs
     s = S(1, 4)
-    got = rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: s, k: s, v: s, m: s}))
+    got = mixer_rules.sdpa(g.node(aten.scaled_dot_product_attention.default), ctx({q: s, k: s, v: s, m: s}))
     assert got == Decision(s)  # the mask is local already: no second scatter
+
+
+# --- baddbmm: a batched matmul plus an additive input (GPT-NeoX-Japanese's attention scores)
+def test_baddbmm_scatters_a_replicated_additive_input_and_keeps_a_sharded_one():
+    g = export(lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.5), (8, 4, 4), (8, 4, 16), (8, 16, 4))
+    c, a, b = g.inputs
+    node = g.node(aten.baddbmm.default)
+    s = S(0, 8)  # batch x heads flattened, sharded
+    assert mixer_rules.baddbmm(node, ctx({a: s, b: s})) == Decision(s, {c: s})
+    assert mixer_rules.baddbmm(node, ctx({a: s, b: s, c: s})) == Decision(s)
+    with pytest.raises(NoRule, match="its additive input is sharded as"):
+        mixer_rules.baddbmm(node, ctx({a: s, b: s, c: S(1, 4)}))
+    with pytest.raises(NoRule, match="contraction over a sharded dim"):
+        mixer_rules.baddbmm(node, ctx({a: S(2, 16), b: S(1, 16)}))

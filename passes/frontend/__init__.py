@@ -1,6 +1,7 @@
 """The frontend: the traced ATen graph in the canonical form the analysis reads.
 
-    canonicalize.py   one placeholder per tensor, aliases merged, no metadata asserts, view_as and tied weights
+    canonicalize.py   one placeholder per tensor, aliases merged, no metadata asserts, view_as and tied weights,
+                      in-place ops on fresh tensors nothing else reads spelled out of place
     autocast_regions.py  `with torch.autocast(...)` bodies inlined between the context's enter and exit calls
     gemm_forms.py     every contraction of an activation with a 2-D weight as linear / mm / addmm
     grouped_gemm.py   mixture-of-experts GEMMs (a 3-D weight slice per expert) as fxpar's grouped ops

@@ -9,8 +9,10 @@ tensor, which is also where the executable registers it), and the aliases are er
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Node
 
+from fxpar.passes.ir.aliasing import Storage
 from fxpar.passes.ir.meta import FXPAR_INPUT, GraphInput, input_of, placeholders
 from fxpar.passes.ir.op_families import LOG_SOFTMAX, ROW_VIEWS
 
@@ -73,6 +75,49 @@ def view_as_pass(gm: GraphModule) -> GraphModule:
     return gm
 
 
+def _functional(target):
+    """aten's out-of-place twin of an in-place overload (`add_.Tensor` -> `add.Tensor`), or None. By aten's naming
+    convention (which functionalization relies on) the twin computes the same values into a new tensor."""
+    schema = getattr(target, "_schema", None)
+    name = schema.name.split("::")[-1] if schema is not None else ""
+    if not name.endswith("_") or name.startswith("_") or not schema.arguments \
+            or not (schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def fresh_in_place_pass(gm: GraphModule) -> GraphModule:
+    """`y = a.add_(b)` -> `y = a.add(b)` where `a` is a fresh tensor (an op's new result, not a view, an input or a
+    state tensor) that nothing but this op reads: no one can observe the write, so its value is the out-of-place
+    op's, also for autograd. Only where the out-of-place result has the in-place one's shape and dtype (no
+    broadcast of `a`, no type promotion). The rules then see the op they know; an in-place op anywhere else stays
+    as written (Hugging Face's experts add their bias in place to a grouped GEMM's output). Returns gm."""
+    storage, changed = Storage(), False
+    for n in list(gm.graph.nodes):
+        twin = _functional(n.target) if n.op == "call_function" else None
+        a = n.args[0] if n.args else None
+        if twin is None or not isinstance(a, Node) or a.op != "call_function" or len(a.users) != 1 \
+                or storage.roots(a) != frozenset({a}):
+            continue
+        got = n.meta.get("val")
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: x.meta.get("val"))
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                args = torch.utils._pytree.tree_map(
+                    lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, args)
+                want = twin(*args[0], **args[1])
+        except Exception:  # noqa: BLE001 - an op the fake mode cannot run keeps its in-place form
+            continue
+        if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) \
+                or want.shape != got.shape or want.dtype != got.dtype:
+            continue
+        n.target = twin
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
 
 
 def cross_entropy_pass(gm: GraphModule) -> GraphModule:

@@ -26,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.frontend.grouped_gemm import EXPERT_BMM, GROUPED_LINEAR, expert_bmm_form, grouped_form
+from fxpar.passes.frontend.grouped_gemm import EXPERT_BMM, expert_bmm_form, grouped_form
 from fxpar.passes.ir.meta import FXPAR_ORIGIN, param_nodes
 from fxpar.passes.ir.op_families import TRANSPOSES
 
@@ -148,7 +148,7 @@ def gemm_forms_pass(gm: GraphModule) -> GraphModule:
                 and not n.kwargs and isinstance(n.args[0], Node) and n.args[0].meta["val"].dim() == 1:
             _as_linear(gm, n, n.args[1], _transposed_weight(n.args[2], params), n.args[0])
         elif (grouped := grouped_form(n, params)) is not None:
-            n.target, n.args = GROUPED_LINEAR, grouped  # the same value: n keeps its name and FXPAR_ORIGIN
+            n.target, n.args = grouped  # the same value: n keeps its name and FXPAR_ORIGIN
         elif (batched := expert_bmm_form(n, params)) is not None:
             n.target, n.args = EXPERT_BMM, batched
         elif n.target is aten.einsum.default and (form := _einsum_form(n, params)) is not None:

@@ -7,7 +7,9 @@ weights as parameters [E, out, in] and, with tokens sorted by expert, call
 
 which computes `out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ W[e].T`, with the backward of the same loop (its
 source in transformers/integrations/moe.py). GEMM forms (passes/frontend/gemm_forms.py) rewrite that call, and only that
-spelling, as `fxpar::grouped_linear(x, W, offs)`: F.linear per expert, weight [E, out, in] read directly. The rules
+spelling, as `fxpar::grouped_linear(x, W, offs)`: F.linear per expert, weight [E, out, in] read directly. Experts that
+store their weights [E, in, out] (GPT-OSS, Aria) pass W itself: that call becomes `fxpar::grouped_mm(x, W, offs)`,
+the same loop with W's `out` dim (2) the output features. The rules
 then treat it as any GEMM with a weight parameter (rules.GEMM_WEIGHT_ARG): column-parallel over `out` (gate|up
 parts found from the chunk that follows), row-parallel over `in`, g after the second: each expert's MLP is split
 as Megatron splits a dense one, the router and the token sorting replicated. Expert parallelism is not done.
@@ -27,16 +29,33 @@ from torch.fx import Node
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("fxpar::grouped_linear", mutates_args=())
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out[rows of e] = x[rows of e] @ weight[e].T; x [S, in] sorted by group, weight [E, out, in], offs [E]."""
-    out = torch.zeros(x.size(0), weight.size(1), device=x.device, dtype=x.dtype)
+def _grouped_forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = x[rows of e] @ w[e]; w [E, in, out] (maybe a transposed view): transformers' loop."""
+    out = torch.zeros(x.size(0), w.size(2), device=x.device, dtype=x.dtype)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            torch.mm(x[start:end], weight[e].t(), out=out[start:end])
+            torch.mm(x[start:end], w[e], out=out[start:end])
         start = end
     return out
+
+
+def _grouped_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, grad: torch.Tensor):
+    """(grad_x, grad_w) of _grouped_forward, grad_w laid out as w is: transformers' backward loop."""
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], w[e].t(), out=grad_x[start:end])
+            torch.mm(x[start:end].t(), grad[start:end], out=grad_w[e])
+        start = end
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("fxpar::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = x[rows of e] @ weight[e].T; x [S, in] sorted by group, weight [E, out, in], offs [E]."""
+    return _grouped_forward(x, weight.transpose(-2, -1), offs)
 
 
 @grouped_linear.register_fake
@@ -50,13 +69,7 @@ def _(x, weight, offs):
 @torch.library.custom_op("fxpar::grouped_linear_backward", mutates_args=())
 def grouped_linear_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                             grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_wt = torch.zeros_like(x), torch.zeros_like(weight.transpose(-2, -1))
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(grad[start:end], weight[e], out=grad_x[start:end])
-            torch.mm(x[start:end].t(), grad[start:end], out=grad_wt[e])
-        start = end
+    grad_x, grad_wt = _grouped_backward(x, weight.transpose(-2, -1), offs, grad)
     return grad_x, grad_wt.transpose(-2, -1).contiguous()
 
 
@@ -79,6 +92,42 @@ def _backward(ctx, grad):
 grouped_linear.register_autograd(_backward, setup_context=_setup)
 
 GROUPED_LINEAR = torch.ops.fxpar.grouped_linear.default
+
+
+@torch.library.custom_op("fxpar::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = x[rows of e] @ weight[e]; x [S, in] sorted by group, weight [E, in, out], offs [E]."""
+    return _grouped_forward(x, weight, offs)
+
+
+@grouped_mm.register_fake
+def _(x, weight, offs):
+    if x.dim() != 2 or weight.dim() != 3 or x.size(1) != weight.size(1) or offs.size(0) != weight.size(0):
+        raise ValueError(f"fxpar::grouped_mm: x {tuple(x.shape)}, weight {tuple(weight.shape)} [E, in, out], "
+                         f"offs {tuple(offs.shape)} do not fit")
+    return x.new_empty(x.size(0), weight.size(2))
+
+
+@torch.library.custom_op("fxpar::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _grouped_backward(x, weight, offs, grad)
+
+
+@grouped_mm_backward.register_fake
+def _(x, weight, offs, grad):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _backward_mm(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.fxpar.grouped_mm_backward(x, weight, ctx.offs, grad)
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_backward_mm, setup_context=_setup)
+
+GROUPED_MM = torch.ops.fxpar.grouped_mm.default
 
 
 @torch.library.custom_op("fxpar::expert_bmm", mutates_args=())
@@ -118,14 +167,17 @@ def expert_bmm_form(n: Node, params: set[Node]) -> tuple[Node, Node] | None:
 _HF_GROUPED_MM = "transformers.grouped_mm_fallback.default"  # str() of the OpOverload, present once transformers is
 
 
-def grouped_form(n: Node, params: set[Node]) -> tuple[Node, Node, Node] | None:
-    """(x, W, offs) when n is transformers' grouped_mm_fallback(x, W.transpose(-2, -1), offs), W a 3-D parameter."""
+def grouped_form(n: Node, params: set[Node]):
+    """(GROUPED_LINEAR, (x, W, offs)) when n is transformers' grouped_mm_fallback(x, W.transpose(-2, -1), offs), W a
+    3-D parameter [E, out, in]; (GROUPED_MM, (x, W, offs)) when it passes W [E, in, out] itself; else None."""
     if n.op != "call_function" or str(n.target) != _HF_GROUPED_MM or len(n.args) != 3 or n.kwargs:
         return None
     x, wt, offs = n.args
+    if wt in params and wt.meta["val"].dim() == 3:
+        return GROUPED_MM, (x, wt, offs)
     if not (isinstance(wt, Node) and wt.op == "call_function" and wt.target is aten.transpose.int):
         return None
     w = wt.args[0]
     if w not in params or w.meta["val"].dim() != 3 or sorted(d % 3 for d in wt.args[1:3]) != [1, 2]:
         return None
-    return x, w, offs
+    return GROUPED_LINEAR, (x, w, offs)

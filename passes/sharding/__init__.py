@@ -1,6 +1,7 @@
 """The sharding analysis: which values can be split across the t ranks, proven op by op.
 
     rules.py             one sharding rule per ATen op family (Role says what a decision does)
+    mixer_rules.py       the token mixers' rules: attention, einsum and batched matmuls, depthwise convolutions
     loss_rules.py        the losses over a vocabulary-sharded dim: cross-entropy, logsumexp, the target's gather
     view_rules.py        where a sharded dim lands when a tensor is viewed with a new shape
     rule_table.py        the rules by op, one read-only table (rule_for)

@@ -61,7 +61,7 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.fused_projections import fused_parts
 from fxpar.passes.ir.meta import USER, input_of, module_path
-from fxpar.passes.ir.op_families import LAYOUT, ROW_VIEWS
+from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.rule_table import rule_for
 from fxpar.passes.sharding.rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible,
@@ -187,6 +187,11 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
         specs.update(got)
         ctx.placements[g] = s
     spread(seeds, decisions, specs, ctx, order, frozen, activations)
+    for g in seeds:  # a seed computed from another seed of the region (a low-rank pair's up-projection)
+        x = g.args[GEMM_WEIGHT_ARG[g.target][1]]
+        if is_sharded(ctx.placements.get(x)):
+            raise NoRule(f"{describe(g)} would read {x.name}, which the region shards ({ctx.placements[x]}), as "
+                         "replicated: a seed's input must be replicated")
     specs.update(_shard_scattered_params(decisions, ctx))
     return decisions, specs
 
@@ -215,6 +220,11 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
         if rule is None:
             raise NoRule(f"{n.name}: no sharding rule for {n.target}")
         d = apply_rule(rule, n, ctx)
+        for inp, how in list(d.enter.items()):
+            if how is not None and inp not in frozen and (param := _gathered_param(inp, how, ctx)) is not None:
+                specs[param] = ctx.placements[param] = how.moved(how.dim - _index_dims(inp) + len(inp.args[1]))
+                decisions[inp], ctx.placements[inp] = Decision(how, {}), how
+                del d.enter[inp]
         for inp, how in d.enter.items():
             if is_sharded(ctx.placements.get(inp)):
                 raise NoRule(f"{n.name}: would read the sharded {inp.name} as replicated")
@@ -228,6 +238,24 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
             specs.update(_row_spec(n, ctx.placements[x]))
         elif is_sharded(d.out):
             push_users(n)
+
+
+def _index_dims(n: Node) -> int:
+    return len(torch.broadcast_shapes(*(i.meta["val"].shape for i in n.args[1])))
+
+
+def _gathered_param(inp: Node, how: Shard, ctx: Ctx) -> Node | None:
+    """The parameter P when `inp` is `P[ids]` (rows of P picked by an index computed from the input: a bias per
+    expert, gathered per token), read by nothing else, and `how` scatters a dim of P's that the index keeps whole:
+    P is then stored sharded on that dim and gathered locally, instead of scattering the gathered rows (a
+    replicated activation, [Note: regions close at row GEMMs])."""
+    if inp.op != "call_function" or inp.target is not aten.index.Tensor or len(inp.users) != 1:
+        return None
+    param, ids = inp.args[0], inp.args[1]
+    if param not in ctx.params or other_use(param, inp) is not None or not ids \
+            or not all(isinstance(i, Node) for i in ids):
+        return None
+    return param if how.dim >= _index_dims(inp) else None
 
 
 def _shard_scattered_params(decisions: dict[Node, Decision], ctx: Ctx) -> dict[Node, Shard]:
@@ -367,11 +395,13 @@ def _blocked_by(e: NoRule, seeds, placements, params, order, frozen, activations
     return e
 
 
-def _producer(x: Node, candidates: set[Node]) -> Node | None:
-    """The seed GEMM whose output x is, through layout ops only (a key projection viewed into heads), or None."""
-    while isinstance(x, Node) and x not in candidates and x.op == "call_function" and x.target in LAYOUT:
-        x = x.args[0]
-    return x if x in candidates else None
+def _producers(x: Node, candidates: set[Node], frozen: dict, placements: dict) -> list[Node]:
+    """The seed GEMMs x is computed from by replicated ops alone (a key projection viewed into heads; a gate's
+    up-projection through its softplus), in graph order from x back; the walk stops at seeds, and at what earlier
+    regions decided (the layer's input comes through a row GEMM's g)."""
+    stop = lambda a: a is x or (a not in candidates and a not in frozen and a not in placements  # noqa: E731
+                                and a.op == "call_function")
+    return [a for a in upstream(x, through=stop) if a in candidates]
 
 
 def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: set[Node], placements, order, frozen,
@@ -382,10 +412,10 @@ def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: se
     def scattered_seeds():  # undecided seeds whose outputs the region scatters in
         for d in got.values():
             for inp, how in d.enter.items():
-                g = _producer(inp, candidates) if how is not None else None
-                if g is not None and g not in seeds and g not in frozen and g not in tried \
-                        and not is_sharded(placements.get(_seed_input(g))):
-                    yield g
+                for g in (_producers(inp, candidates, frozen, placements) if how is not None else ()):
+                    if g not in seeds and g not in frozen and g not in tried \
+                            and not is_sharded(placements.get(_seed_input(g))):
+                        yield g
 
     tried: set[Node] = set()
     while (g := next(scattered_seeds(), None)) is not None:

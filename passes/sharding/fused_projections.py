@@ -19,6 +19,8 @@ import torch
 from torch.fx import Node
 
 from fxpar.passes.ir.op_families import SPLITS
+from fxpar.passes.sharding.rule_table import rule_for
+from fxpar.passes.sharding.rules import elementwise
 
 aten = torch.ops.aten
 _SAME_DIM = {
@@ -67,10 +69,24 @@ def _follow(node: Node, dim: int, depth: int = 0):
     return None
 
 
+def _keeps_channels(u: Node, src: Node, dim: int) -> bool:
+    """u keeps every index of `dim` where it was, one for one: a unary elementwise op (silu after a conv), a slice
+    of another dim, or a depthwise conv1d over the channels `dim` (Qwen3-Next's mixer over its fused q|k|v)."""
+    if u.target is aten.slice.Tensor:
+        return _norm(u.args[1], len(_shape(src))) != dim
+    if u.target is aten.conv1d.default:
+        w = u.args[1]
+        groups = u.args[6] if len(u.args) > 6 else u.kwargs.get("groups", 1)
+        return dim == 1 and u.args[0] is src and len(_shape(src)) == 3 and groups == _shape(src)[1] \
+            and isinstance(w, Node) and _shape(w)[0] == groups
+    inputs = [a for a in u.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return rule_for(u) is elementwise and inputs == [src] and _shape(u) == _shape(src)
+
+
 def _through(u: Node, src: Node, dim: int, depth: int):
     """Continue following `dim` through user `u`, which reads `src`."""
     nd, out = len(_shape(src)), _shape(u)
-    if u.target in _SAME_DIM:
+    if u.target in _SAME_DIM or _keeps_channels(u, src, dim):
         return _follow(u, dim, depth + 1)
     if u.target in (aten.transpose.int,):
         a, b = _norm(u.args[1], nd), _norm(u.args[2], nd)

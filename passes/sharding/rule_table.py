@@ -13,10 +13,11 @@ from types import MappingProxyType
 import torch
 from torch.fx import Node
 
-from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, batched_matmul, cat, complex_view, conv1d, einsum,
-                                         elementwise, expand, gemm, getitem, like_input, norm, permute, reduction,
-                                         repeat_interleave, reshape_as, sdpa, select, slice_, softmax, split, squeeze,
-                                         stack, transpose, unsqueeze, view)
+from fxpar.passes.sharding.mixer_rules import baddbmm, batched_matmul, conv1d, einsum, repeat_interleave, sdpa
+from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, cat, complex_view, constant_like, copy_into,
+                                         elementwise, expand, gemm, getitem, like_input, norm, pad, permute, reduction,
+                                         reshape_as, select, slice_, softmax, split, squeeze, stack, transpose,
+                                         triangular, unsqueeze, view)
 from fxpar.passes.sharding.loss_rules import LOSS_RULES
 
 aten = torch.ops.aten
@@ -47,9 +48,14 @@ FAMILIES = (  # (rule, ops it covers)
     (squeeze, (aten.squeeze,)),
     (select, (aten.select,)),
     (slice_, (aten.slice,)),
-    (split, (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk)),
+    (split, (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.tensor_split)),
     (getitem, (operator.getitem,)),
     (cat, (aten.cat,)),
+    (pad, (aten.pad.default, aten.constant_pad_nd.default)),
+    (triangular, (aten.tril.default, aten.triu.default)),
+    (copy_into, (aten.copy_.default,)),
+    (constant_like, (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                     aten.full_like.default)),
     (stack, (aten.stack,)),
     (softmax, (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)),
     (reduction, (aten.mean, aten.sum, aten.amax, aten.amin, aten.var)),
@@ -59,6 +65,7 @@ FAMILIES = (  # (rule, ops it covers)
     (norm, (aten.layer_norm, aten.rms_norm)),
     (sdpa, (aten.scaled_dot_product_attention,)),
     (batched_matmul, (aten.matmul, aten.bmm)),
+    (baddbmm, (aten.baddbmm.default,)),
     (einsum, (aten.einsum.default,)),
     (repeat_interleave, (aten.repeat_interleave,)),
     (conv1d, (aten.conv1d.default, aten.conv1d.padding)),

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from fxpar.passes.frontend.grouped_gemm import EXPERT_BMM, GROUPED_LINEAR
+from fxpar.passes.frontend.grouped_gemm import EXPERT_BMM, GROUPED_LINEAR, GROUPED_MM
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.view_rules import ReshapeError, reshape_shard
 
@@ -77,16 +77,16 @@ class Ctx:
         return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
-def _norm(dim: int, ndim: int) -> int:
+def norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _need_divisible(s: Shard, t: int, node: Node):
+def need_divisible(s: Shard, t: int, node: Node):
     if not s.divisible(t):
         raise Indivisible(f"{node.name}: parts {s.parts} of dim {s.dim} are not divisible by t={t}")
 
 
-def _tensor_args(node: Node):
+def tensor_args(node: Node):
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
@@ -110,14 +110,14 @@ def arg(node: Node, name: str, default=None):
 
 
 def _sharded_inputs(node: Node, ctx: "Ctx") -> list[Node]:
-    return [a for a in _tensor_args(node) if isinstance(ctx.p(a), Shard)]
+    return [a for a in tensor_args(node) if isinstance(ctx.p(a), Shard)]
 
 
 # --- elementwise: same shard on the broadcast output dim; replicated operands broadcast or get scattered
 def elementwise(node: Node, ctx: Ctx) -> Decision:
     out_nd = len(ctx.shape(node))
     shards = {}
-    for a in _tensor_args(node):
+    for a in tensor_args(node):
         pa = ctx.p(a)
         if isinstance(pa, Shard):
             shards[a] = pa.moved(pa.dim + out_nd - len(ctx.shape(a)))
@@ -127,7 +127,7 @@ def elementwise(node: Node, ctx: Ctx) -> Decision:
     if any(s != first for s in shards.values()):
         raise NoRule(f"{node.name}: inputs sharded differently: {', '.join(map(str, shards.values()))}")
     enter = {}
-    for a in _tensor_args(node):
+    for a in tensor_args(node):
         if a in shards:
             continue
         shape = ctx.shape(a)
@@ -158,13 +158,13 @@ def view(node: Node, ctx: Ctx) -> Decision:
             f"{node.name}: dim {structural.dim} of {tuple(ctx.shape(node))} has {structural.parts[0]} "
             f"(heads or features) to split over t={ctx.t}"
         ) from None
-    _need_divisible(out, ctx.t, node)
+    need_divisible(out, ctx.t, node)
     local = list(ctx.shape(node))
     local[out.dim] //= ctx.t
     if node.target is aten.flatten.using_ints:
         return Decision(out)  # flatten derives its shape from its input
     if node.target is aten.unflatten.int:
-        d = _norm(node.args[1], len(ctx.shape(src)))
+        d = norm_dim(node.args[1], len(ctx.shape(src)))
         sizes = local[d : d + len(node.args[2])]
         return Decision(out, args=(src, node.args[1], sizes))
     shape = list(node.args[1])
@@ -188,19 +188,19 @@ def expand(node: Node, ctx: Ctx) -> Decision:
 # --- transpose / permute / unsqueeze / squeeze: the shard follows its dim
 def transpose(node: Node, ctx: Ctx) -> Decision:
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
-    a, b = _norm(node.args[1], nd), _norm(node.args[2], nd)
+    a, b = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
     return Decision(s.moved({a: b, b: a}.get(s.dim, s.dim)))
 
 
 def permute(node: Node, ctx: Ctx) -> Decision:
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
-    order = [_norm(d, nd) for d in node.args[1]]
+    order = [norm_dim(d, nd) for d in node.args[1]]
     return Decision(s.moved(order.index(s.dim)))
 
 
 def unsqueeze(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
-    k = _norm(node.args[1], len(ctx.shape(node)))
+    k = norm_dim(node.args[1], len(ctx.shape(node)))
     return Decision(s.moved(s.dim + (1 if k <= s.dim else 0)))
 
 
@@ -208,7 +208,7 @@ def squeeze(node: Node, ctx: Ctx) -> Decision:
     s, shape = ctx.p(node.args[0]), ctx.shape(node.args[0])
     dims = node.args[1] if len(node.args) > 1 else range(len(shape))
     dims = [dims] if isinstance(dims, int) else dims
-    gone = {_norm(d, len(shape)) for d in dims if shape[_norm(d, len(shape))] == 1}
+    gone = {norm_dim(d, len(shape)) for d in dims if shape[norm_dim(d, len(shape))] == 1}
     return Decision(s.moved(s.dim - sum(1 for d in gone if d < s.dim)))
 
 
@@ -224,7 +224,7 @@ def complex_view(node: Node, ctx: Ctx) -> Decision:
 # --- select / slice: fine on other dims; a slice on the sharded dim must take whole parts
 def select(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
-    d = _norm(node.args[1], len(ctx.shape(node.args[0])))
+    d = norm_dim(node.args[1], len(ctx.shape(node.args[0])))
     if d == s.dim:
         raise NoRule(f"{node.name}: selects an index of the sharded dim {d}")
     return Decision(s.moved(s.dim - (1 if d < s.dim else 0)))
@@ -244,7 +244,7 @@ def slice_(node: Node, ctx: Ctx) -> Decision:
     x, s = node.args[0], ctx.p(node.args[0])
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
     size = ctx.shape(x)[s.dim]
-    dim = _norm(dim, len(ctx.shape(x)))
+    dim = norm_dim(dim, len(ctx.shape(x)))
     if dim != s.dim:
         return Decision(s)
     start, end = start or 0, size if end is None else min(end, size)
@@ -252,6 +252,10 @@ def slice_(node: Node, ctx: Ctx) -> Decision:
         return Decision(s, args=(x, dim, 0, size // ctx.t))
     if step == 1 and s.post == 1 and (start, end) in _part_bounds(s):
         return Decision(plain_shard(dim, end - start), args=(x, dim, start // ctx.t, end // ctx.t))
+    if 0 <= start < step and end == size and s.post == 1 and all(p % (ctx.t * step) == 0 for p in s.parts):
+        # every step-th element (GPT-OSS's interleaved gate|up: [::2], [1::2]): each shard's blocks start at a
+        # multiple of step, so a shard's every step-th element from `start` is the result's matching block
+        return Decision(Shard(dim, tuple(p // step for p in s.parts), s.pre), args=(x, dim, start, size // ctx.t, step))
     raise NoRule(f"{node.name}: slices [{start}:{end}:{step}] across the shards of dim {dim} ({s})")
 
 
@@ -261,11 +265,11 @@ def split(node: Node, ctx: Ctx) -> Decision:
     nd, size = len(ctx.shape(x)), ctx.shape(x)
     pieces = [tuple(v.shape) for v in node.meta.get("val") or ()]
     if node.target is aten.unbind.int:
-        d = _norm(node.args[1] if len(node.args) > 1 else 0, nd)
+        d = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
         if d == s.dim:
             raise NoRule(f"{node.name}: unbinds the sharded dim")
         return Decision(tuple(s.moved(s.dim - (1 if d < s.dim else 0)) for _ in pieces))
-    d = _norm(node.args[2] if len(node.args) > 2 else 0, nd)
+    d = norm_dim(node.args[2] if len(node.args) > 2 else 0, nd)
     sizes = [p[d] for p in pieces] if pieces else []
     if d != s.dim:
         return Decision(tuple(s for _ in sizes))
@@ -278,7 +282,7 @@ def split(node: Node, ctx: Ctx) -> Decision:
         raise NoRule(f"{node.name}: splits dim {d} of size {size[d]} into {sizes}, across its shards ({s})")
     outs = tuple(plain_shard(d, n) for n in sizes)
     for o in outs:
-        _need_divisible(o, ctx.t, node)
+        need_divisible(o, ctx.t, node)
     local = [n // ctx.t for n in sizes]
     return Decision(outs, args=(x, local, d), target=aten.split_with_sizes.default)
 
@@ -290,22 +294,61 @@ def getitem(node: Node, ctx: Ctx) -> Decision:
     return Decision(outs[node.args[1]])
 
 
-# --- cat: along another dim, all inputs alike (replicated ones are scattered)
+# --- cat: along another dim, all inputs alike (replicated ones are scattered); along the sharded dim, every input
+# sharded there, each becoming parts of a fused layout (q|k|v projected apart, joined for one conv: each rank's
+# local cat is [q_r | k_r | v_r], the parts layout of [Note: head-interleaved QKV])
 def cat(node: Node, ctx: Ctx) -> Decision:
     tensors = node.args[0]
-    d = _norm(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
     shards = [ctx.p(a) for a in tensors if isinstance(ctx.p(a), Shard)]
     s = shards[0]
+    if s.dim == d and len(shards) == len(tensors) and all(o.dim == d and o.post == 1 for o in shards):
+        return Decision(Shard(d, tuple(p for o in shards for p in o.parts * o.pre)))
     if s.dim == d or any(o != s for o in shards):
         raise NoRule(f"{node.name}: concatenates along or across shards ({', '.join(map(str, shards))})")
     enter = {a: s for a in tensors if not isinstance(ctx.p(a), Shard)}
     return Decision(s, enter)
 
 
+# --- pad: dims other than the sharded one padded (a chunked scan padding its sequence to whole chunks)
+def pad(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
+    widths = list(node.args[1])
+    padded = {nd - 1 - i // 2 for i, w in enumerate(widths) if w}  # pairs from the last dim backward
+    if s.dim in padded:
+        raise NoRule(f"{node.name}: pads the sharded dim {s.dim} ({widths})")
+    return Decision(s)
+
+
+# --- zeros_like / ones_like / empty_like / full_like: a constant shaped as the sharded input, sharded as it is
+def constant_like(node: Node, ctx: Ctx) -> Decision:
+    return Decision(ctx.p(node.args[0]))
+
+
+# --- tril / triu: the last two dims masked; another dim sharded passes through
+def triangular(node: Node, ctx: Ctx) -> Decision:
+    s, nd = ctx.p(node.args[0]), len(ctx.shape(node))
+    if s.dim >= nd - 2:
+        raise NoRule(f"{node.name}: masks the sharded dim {s.dim} ({s})")
+    return Decision(s)
+
+
+# --- copy_(dst, src): a write into a sharded dst (a chunked scan filling its slices); src sharded alike, or
+# replicated and scattered. A write into a replicated dst of a sharded src would make dst half sharded: refused.
+def copy_into(node: Node, ctx: Ctx) -> Decision:
+    dst = node.args[0]
+    if not isinstance(ctx.p(dst), Shard):
+        raise NoRule(f"{node.name}: writes a sharded value into the replicated {dst.name}")
+    d = elementwise(node, ctx)
+    if d.out != ctx.p(dst):
+        raise NoRule(f"{node.name}: writes into {dst.name} ({ctx.p(dst)}) a value sharded as {d.out}")
+    return d
+
+
 # --- stack: a new dim among the inputs' dims; all inputs alike (GPT-J's rotate_every_two)
 def stack(node: Node, ctx: Ctx) -> Decision:
     tensors = node.args[0]
-    k = _norm(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    k = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
     shards = [ctx.p(a) for a in tensors if isinstance(ctx.p(a), Shard)]
     s = shards[0]
     if any(o != s for o in shards):
@@ -317,7 +360,7 @@ def stack(node: Node, ctx: Ctx) -> Decision:
 # --- softmax / log_softmax, and reductions over other dims
 def softmax(node: Node, ctx: Ctx) -> Decision:
     s = ctx.p(node.args[0])
-    if _norm(arg(node, "dim"), len(ctx.shape(node))) == s.dim:
+    if norm_dim(arg(node, "dim"), len(ctx.shape(node))) == s.dim:
         raise NoRule(f"{node.name}: softmax over the sharded dim")
     return Decision(s)
 
@@ -338,7 +381,7 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
     dims = arg(node, "dim")
     dims = [dims] if isinstance(dims, int) else dims
-    dims = {_norm(d, nd) for d in dims} if dims else set(range(nd))  # no dims (or []): every dim
+    dims = {norm_dim(d, nd) for d in dims} if dims else set(range(nd))  # no dims (or []): every dim
     keep = bool(arg(node, "keepdim", False))
     if s.dim not in dims:
         return Decision(reduced(s, dims, keep))
@@ -358,7 +401,7 @@ def along_dim(node: Node, ctx: Ctx) -> Decision:
     dim = arg(node, "dim", -1 if node.target in _KEEP_RANK else None)
     if dim is None:
         raise NoRule(f"{node.name}: {node.target.__name__} over every element of a sharded tensor")
-    d = _norm(dim, nd)
+    d = norm_dim(dim, nd)
     if d == s.dim:
         raise NoRule(f"{node.name}: {node.target.__name__} along the sharded dim {d}")
     out = reduced(s, {d}, node.target in _KEEP_RANK or bool(arg(node, "keepdim", False)))
@@ -384,150 +427,17 @@ def norm(node: Node, ctx: Ctx) -> Decision:
         raise NoRule(f"{node.name}: the weights of a norm are sharded but its input is not")
     if s.dim >= len(ctx.shape(x)) - len(arg(node, "normalized_shape")):
         raise NoRule(f"{node.name}: normalizes over the sharded dim {s.dim}")
-    return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
-
-
-# --- scaled_dot_product_attention: q, k, v sharded alike on a batch dim (the heads), masks scattered or broadcast
-def sdpa(node: Node, ctx: Ctx) -> Decision:
-    q, k, v = node.args[:3]
-    shards = [ctx.p(a) for a in (q, k, v) if isinstance(ctx.p(a), Shard)]
-    if not shards:
-        raise NoRule(f"{node.name}: only the attention mask is sharded")
-    s = ctx.p(q) if isinstance(ctx.p(q), Shard) else shards[0]
-    nd = len(ctx.shape(q))
-    if arg(node, "enable_gqa", False) and _grouped_alike(ctx, q, (k, v), s):
-        enter = {}  # each rank's K/V groups are those of its query heads, as for repeat_interleave
-    elif s.dim >= nd - 2 or any(o != s for o in shards):
-        raise NoRule(f"{node.name}: q/k/v must be sharded alike on a batch or heads dim, got {shards}")
-    elif any(ctx.shape(a)[s.dim] != ctx.shape(q)[s.dim] for a in (k, v)):
-        raise NoRule(f"{node.name}: grouped k/v heads {ctx.shape(k)[s.dim]} vs query heads {ctx.shape(q)[s.dim]}")
-    else:
-        enter = {a: s for a in (q, k, v) if not isinstance(ctx.p(a), Shard)}
-    mask = arg(node, "attn_mask")
-    if isinstance(mask, Node):
-        shape = ctx.shape(mask)
-        kdim = s.dim - (nd - len(shape))
-        want = None if kdim < 0 or shape[kdim] == 1 else s.moved(kdim)
-        have = ctx.p(mask)
-        if isinstance(have, Shard):
-            if have != want:
-                raise NoRule(f"{node.name}: the mask is sharded as {have}, the heads as {s}")
-        elif not isinstance(have, Replicate):
-            raise NoRule(f"{node.name}: the mask is {have}")
-        else:
-            enter[mask] = want
-    return Decision(s, enter)
-
-
-# --- repeat_interleave(x, r, dim): grouped K/V heads expanded to the query heads. On the sharded heads dim each
-# rank's groups expand to exactly its query heads (rank r: groups [rG/t, (r+1)G/t) -> heads [rH/t, (r+1)H/t))
-def repeat_interleave(node: Node, ctx: Ctx) -> Decision:
-    x, s = node.args[0], ctx.p(node.args[0])
-    dim, reps = arg(node, "dim"), arg(node, "repeats")
-    if node.target is not aten.repeat_interleave.self_int or dim is None:
-        raise NoRule(f"{node.name}: repeat_interleave with a tensor of repeats or without a dim")
-    d = _norm(dim, len(ctx.shape(x)))
-    if d != s.dim:
-        return Decision(s)
-    if not s.plain or arg(node, "output_size") is not None:
-        raise NoRule(f"{node.name}: repeat_interleave of the sharded dim {d} laid out as {s}")
-    _need_divisible(s, ctx.t, node)
-    return Decision(plain_shard(d, s.size * reps))
-
-
-# --- einsum between activations (a weight's einsum is a GEMM form already): the sharded letter must be one that
-# every sharded operand shards alike and the output keeps (a batch or free letter); contracting it would need a sum
-def einsum(node: Node, ctx: Ctx) -> Decision:
-    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
-    if "->" not in equation or "." in equation:
-        raise NoRule(f"{node.name}: einsum {equation!r} without an explicit output, or with an ellipsis")
-    inputs, output = equation.split("->")
-    inputs = inputs.split(",")
-    letters = {}
-    for sub, op in zip(inputs, operands):
-        p = ctx.p(op)
-        if isinstance(p, Shard):
-            letters[sub[p.dim]] = letters.get(sub[p.dim], []) + [p]
-        elif not isinstance(p, Replicate):
-            raise NoRule(f"{node.name}: operand {op.name} is {p}")
-    shards = next(iter(letters.values()))
-    letter, s = next(iter(letters)), shards[0]
-    if len(letters) > 1 or any(not o.same_layout(s) for o in shards):
-        raise NoRule(f"{node.name}: einsum {equation!r} with operands sharded on different letters or layouts")
-    if letter not in output:
-        raise NoRule(f"{node.name}: einsum {equation!r} contracts the sharded letter {letter!r}")
-    if any(sub.count(letter) > 1 for sub in inputs) or output.count(letter) > 1:
-        raise NoRule(f"{node.name}: einsum {equation!r} repeats the sharded letter {letter!r}")
-    enter = {}
-    for sub, op in zip(inputs, operands):
-        if not isinstance(ctx.p(op), Shard):
-            k = sub.find(letter)
-            enter[op] = None if k < 0 or ctx.shape(op)[k] == 1 else s.moved(k)
-    return Decision(s.moved(output.index(letter)), enter)
-
-
-def _grouped_alike(ctx: Ctx, q: Node, kv: tuple, s: Shard) -> bool:
-    """SDPA(enable_gqa=True) with q's heads and K/V's groups plainly sharded on the heads dim, t dividing both."""
-    groups = [ctx.p(a) for a in kv]
-    return (isinstance(ctx.p(q), Shard) and s.plain and s.dim == len(ctx.shape(q)) - 3 and s.divisible(ctx.t)
-            and all(isinstance(g, Shard) and g.plain and g.dim == s.dim and g.divisible(ctx.t)
-                    and s.size % g.size == 0 for g in groups))
-
-
-# --- conv1d: a depthwise conv (groups = channels: a hybrid layer's causal token mixer) is channel-wise, so it keeps
-# the channels sharded, each rank convolving its channels with its rows of the weight; over the batch it is per
-# sample. Over the length (the tokens it mixes) it refuses.
-def conv1d(node: Node, ctx: Ctx) -> Decision:
-    x, w = node.args[0], node.args[1]
-    bias = arg(node, "bias")
-    s, shape = ctx.p(x), ctx.shape(x)
-    others = [a for a in (w, bias) if isinstance(ctx.p(a), Shard)]
-    if others or len(shape) != 3 or not isinstance(s, Shard):
-        raise NoRule(f"{node.name}: conv1d with its weight or bias sharded, or an unbatched input")
-    if s.dim == 0:
-        return Decision(s, {a: None for a in (w, bias) if isinstance(a, Node)})
-    groups, channels, out = arg(node, "groups", 1), shape[1], ctx.shape(w)[0]
-    if s.dim != 1 or groups != channels or not s.plain:
-        raise NoRule(f"{node.name}: conv1d over its sharded dim {s.dim} ({s}), or not depthwise (groups {groups} of "
-                     f"{channels} channels): only a depthwise conv keeps channels apart")
-    _need_divisible(s, ctx.t, node)
-    block = plain_shard(0, out)
-    enter = {a: block for a in (w, bias) if isinstance(a, Node)}
-    stride, padding, dilation = arg(node, "stride", [1]), arg(node, "padding", [0]), arg(node, "dilation", [1])
-    return Decision(plain_shard(1, out), enter, args=(x, w, bias, stride, padding, dilation, groups // ctx.t))
-
-
-# --- matmul / bmm without a weight parameter (q @ k^T, probs @ v): batch dims pass through
-def batched_matmul(node: Node, ctx: Ctx) -> Decision:
-    a, b = node.args[:2]
-    pa, pb = ctx.p(a), ctx.p(b)
-    na, nb, no = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
-    if na < 2 or nb < 2:
-        raise NoRule(f"{node.name}: vector matmul of a sharded tensor")
-    outs, enter = [], {}
-    for x, px, nx, m_or_n in ((a, pa, na, na - 2), (b, pb, nb, nb - 1)):
-        if isinstance(px, Shard):
-            if px.dim == (nx - 1 if x is a else nx - 2):
-                raise NoRule(f"{node.name}: contraction over a sharded dim")
-            outs.append(px.moved(px.dim + no - nx) if px.dim < nx - 2 else px.moved(no - 2 if x is a else no - 1))
-    if len(outs) == 2 and (outs[0] != outs[1] or outs[0].dim >= no - 2):
-        raise NoRule(f"{node.name}: operands sharded on different dims ({pa}, {pb})")
-    s = outs[0]
-    for x, px, nx in ((a, pa, na), (b, pb, nb)):
-        if not isinstance(px, Shard):
-            k = s.dim - (no - nx)
-            enter[x] = s.moved(k) if s.dim < no - 2 and k >= 0 and ctx.shape(x)[k] != 1 else None
-    return Decision(s, enter)
+    return Decision(s, {a: None for a in tensor_args(node) if a is not x})
 
 
 # --- GEMMs with a weight parameter: row-parallel when the contraction dim is sharded
 GEMM_WEIGHT_ARG = {aten.linear.default: (1, 0, 1), aten.addmm.default: (2, 1, 0), aten.mm.default: (1, 0, 0),
-                   GROUPED_LINEAR: (1, 0, 2), EXPERT_BMM: (1, 0, 1)}
+                   GROUPED_LINEAR: (1, 0, 2), GROUPED_MM: (1, 0, 1), EXPERT_BMM: (1, 0, 1)}
 # op -> (weight arg index, input arg index, weight dim contracted with the input's last dim)
 GEMM_WEIGHT_OUT = {aten.linear.default: 0, aten.addmm.default: 1, aten.mm.default: 1, GROUPED_LINEAR: 1,
-                   EXPERT_BMM: 2}
-# op -> the weight dim of the output features (a grouped GEMM's weight is [groups, out, in], a batched one's
-# [groups, in, out])
+                   GROUPED_MM: 2, EXPERT_BMM: 2}
+# op -> the weight dim of the output features (grouped_linear's weight is [groups, out, in], grouped_mm's and a
+# batched one's [groups, in, out])
 
 
 DTYPE_ONLY = {aten.type_as.default: 1, aten.to.other: 1}  # op -> the argument read for its dtype and device only
@@ -556,13 +466,13 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
     if not isinstance(s, Shard):
         raise NoRule(f"{node.name}: input {getattr(x, 'name', x)} is {s}")
     if w in ctx.params and other_use(w, node) is None and s.dim == nx - 1:
-        _need_divisible(s, ctx.t, node)
+        need_divisible(s, ctx.t, node)
         return Decision(R, role=Role.ROW)  # g follows; the caller shards the weight on w_in_dim with s's layout
-    if node.target is GROUPED_LINEAR and s.dim != nx - 1:
+    if node.target in (GROUPED_LINEAR, GROUPED_MM) and s.dim != nx - 1:
         raise NoRule(f"{node.name}: a grouped GEMM's rows belong to groups by its offsets; rows sharded as {s}")
     if node.target is EXPERT_BMM and s.dim == 0:
         raise NoRule(f"{node.name}: a batched expert GEMM with its experts sharded ({s}) needs expert parallelism")
     if s.dim == nx - 1:
         why = "is not a parameter" if w not in ctx.params else f"is also read by {other_use(w, node).name}"
         raise NoRule(f"{node.name}: contraction over a sharded dim with weight {getattr(w, 'name', w)}, which {why}")
-    return Decision(s, {a: None for a in _tensor_args(node) if a is not x})
+    return Decision(s, {a: None for a in tensor_args(node) if a is not x})

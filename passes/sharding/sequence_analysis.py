@@ -48,7 +48,8 @@ from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Shard
 from fxpar.passes.sharding.analysis import apply_rule, describe, grad_nodes, is_sharded
 from fxpar.passes.sharding.rule_table import rule_for
-from fxpar.passes.sharding.rules import Ctx, Decision, NoRule, Role, batched_matmul, elementwise, sdpa, softmax
+from fxpar.passes.sharding.mixer_rules import batched_matmul, sdpa
+from fxpar.passes.sharding.rules import Ctx, Decision, NoRule, Role, elementwise, softmax
 
 SEEDS = (Comm.G, Comm.VOCAB_EMBEDDING)  # the all-reduces a reduce-scatter replaces
 _MIXERS = (softmax, sdpa, batched_matmul)  # rules that refuse a dim attention mixes tokens along
