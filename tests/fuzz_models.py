@@ -8,12 +8,13 @@ standalone file. The grammar covers the op families the rules cover and the haza
                  whose additive term is an activation or a broadcast column (with beta/alpha), a weight on the left
                  (W @ x^T)^T
     activations  relu, gelu (erf, tanh), GPT-2's NewGELU written out, silu, tanh, gated (SwiGLU, fused gate|up), a
-                 causal depthwise conv1d over the tokens
+                 causal depthwise conv1d over the tokens, or over q|k|v joined by cat (a linear-attention mixer)
     attention    fused Q|K|V split or viewed (B, S, 3, H, hd) and unbound, separate or grouped-query K/V (one GEMM
                  laid out per K/V group or as [q | k | v]; K/V expanded by repeat_interleave, by expand + reshape, or
                  read by SDPA(enable_gqa=True)), einsum attention, rotary (in an autocast region or not)
                  arithmetic, scores by matmul or einsum, causal masks (a buffer, triu built in the graph, additive),
-                 SDPA, attention dropout, a per-head projection, scores carried into the next layer
+                 SDPA, attention dropout, a chunked scan's writes (pad, tril, copy_ into a zeros_like buffer), a
+                 per-head projection, scores carried into the next layer
     norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
     blocks       pre-norm, post-norm, parallel attention + MLP; a ModuleList of layers
     hazards      a parameter read twice (regularizer), a weight shared by two GEMMs, a sharded value returned,
@@ -196,6 +197,12 @@ class _Layer:
                       ".unbind(0)")
         else:
             q, k, v = self.gemm(x, H, H), self.gemm(x, H, kvh * hd), self.gemm(x, H, kvh * hd)
+            if self.h.random() < 0.2:  # joined for one depthwise conv over q|k|v channels (a linear-attention mixer)
+                n, conv = H + 2 * kvh * hd, self.code.name("conv")
+                self.code.init.append(f"self.{conv} = nn.Conv1d({n}, {n}, 3, groups={n}, padding=2)")
+                self.emit(f"{q} = F.silu(self.{conv}(torch.cat([{q}, {k}, {v}], dim=-1).transpose(1, 2))[..., :{S}])"
+                          ".transpose(1, 2)")
+                self.emit(f"{q}, {k}, {v} = {q}.split([{H}, {kvh * hd}, {kvh * hd}], dim=-1)")
             for t, heads in ((q, nh), (k, kvh), (v, kvh)):
                 self.emit(f"{t} = {t}.view({x}.shape[0], {S}, {heads}, {hd}).transpose(1, 2)")
         sdpa = r.random() < 0.25 and prev is None
@@ -250,6 +257,13 @@ class _Layer:
                 self.emit(f"{y} = {p} @ {v}")
             else:
                 self.emit(f"{y} = torch.einsum('bhij,bhjd->bhid', {p}, {v})")
+        if self.h.random() < 0.15:  # a chunked scan's writes: padded to whole chunks, each copied into a buffer
+            buf, half = self.code.name("buf"), S // 2
+            self.emit(f"{y} = F.pad({y}, (0, 0, 0, 2))[:, :, :{S}]")
+            self.emit(f"{buf} = torch.zeros_like({y})")
+            self.emit(f"{buf}[:, :, :{half}] = {y}[:, :, :{half}].tril()")
+            self.emit(f"{buf}[:, :, {half}:] = {y}[:, :, {half}:]")
+            y = buf
         if r.random() < 0.15:  # a per-head projection before the heads merge
             y = self.gemm(y, hd, hd, batched=True)
         merged = self.code.name("m")

@@ -1,7 +1,9 @@
 """Grouped-query attention as real training code spells it, sharded by K/V group (each rank owns whole groups: its
 query heads and the K/V heads they read) and exact: separate projections with K/V expanded by repeat_interleave, by
 expand + reshape, or by SDPA(enable_gqa=True); one fused projection laid out per K/V group ([G, q_per_kv + 2, hd])
-or as [q | k | v]; and attention written as two einsums between activations."""
+or as [q | k | v]; and attention written as two einsums between activations. Two of them also cut into a pipeline,
+(p, t) = (2, 2)."""
+import copy
 import math
 
 import pytest
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from fxpar.api import build
 from fxpar.passes.sharding.comm_audit import per_layer
 from fxpar.passes.tensor_parallel.collectives import TPComm
+from tests.harness import module_pool
 from tests.models import Stack, sgd_gaps
 from tests.threaded import on_tp_ranks
 
@@ -117,3 +120,37 @@ def test_an_einsum_that_contracts_the_sharded_letter_stays_replicated_and_says_w
 
     plan = build(Contract(), TPComm(rank=0, size=2), (_x(),)).plan
     assert any("contracts the sharded letter 'h'" in r.reason for r in plan.regions), plan.region_table()
+
+
+pool4 = module_pool(4)
+
+
+def _pipeline_gaps(kind: str, steps: int = 3) -> tuple[float, float]:
+    """(p, t) = (2, 2), 1F1B over 4 microbatches, `steps` SGD steps on a mean squared error: the largest loss and
+    parameter differences from the single-process model trained on the whole batch."""
+    import fxpar
+
+    torch.manual_seed(0)
+    model = Stack(lambda: GroupedAttention(kind, 4, 2), n=4)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, target = torch.randn(8, SEQ, D, generator=g), torch.randn(8, SEQ, D, generator=g)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=(x[:2],), loss_fn=F.mse_loss,
+                           config=fxpar.Config(microbatches=4, schedule="1f1b"))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss_gap = 0.0
+    for _ in range(steps):
+        opt.zero_grad(), ref_opt.zero_grad()
+        loss = pm.step(x, target=target)
+        ref_loss = F.mse_loss(reference(x), target)
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
+    full, want = pm.full_state_dict(), reference.state_dict()
+    return loss_gap, max((full[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("kind", ["fused_per_group", "repeat_interleave"])
+def test_pipeline_of_grouped_attention_at_p2_t2(pool4, kind):
+    for loss_gap, param_gap in pool4.run(_pipeline_gaps, kind):
+        assert loss_gap <= 1e-5 and param_gap <= 1e-5, (loss_gap, param_gap)

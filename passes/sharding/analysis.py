@@ -60,6 +60,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.fused_projections import fused_parts
+from fxpar.passes.ir.aliasing import Storage, writes
 from fxpar.passes.ir.meta import USER, input_of, module_path
 from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
@@ -110,17 +111,27 @@ def _differentiable_inputs(n: Node) -> list[Node]:
 
 
 def grad_nodes(gm: GraphModule, params: set[Node]) -> set[Node]:
-    """Nodes that can carry a gradient: floating tensors downstream of parameters or float inputs."""
-    out = set()
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        floating = isinstance(v, torch.Tensor) and v.is_floating_point()
-        if n in params or (n.op == "placeholder" and floating and input_of(n).kind == USER):
-            out.add(n)
-        elif n.op == "call_function" and any(a in out for a in _differentiable_inputs(n)):
-            if floating or isinstance(v, (list, tuple)):
+    """Nodes that can carry a gradient: floating tensors downstream of parameters or float inputs, and every value
+    living in a storage that an op writes a gradient-carrying value into (`buf = zeros_like(y); buf[:, :2] = y`:
+    buf and its views carry y's gradient from then on). Written storage found late sends the walk round again."""
+    storage, out, written = Storage(), set(), set()
+    while True:
+        size = (len(out), len(written))
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            floating = isinstance(v, torch.Tensor) and v.is_floating_point()
+            if n in params or (n.op == "placeholder" and floating and input_of(n).kind == USER):
                 out.add(n)
-    return out
+            elif n.op == "call_function" and any(a in out for a in _differentiable_inputs(n)):
+                if floating or isinstance(v, (list, tuple)):
+                    out.add(n)
+            elif floating and written and storage.roots(n) & written:
+                out.add(n)
+            if n in out and writes(n) != []:
+                targets = writes(n) if writes(n) is not None else n.all_input_nodes
+                written.update(r for a in targets for r in storage.roots(a))
+        if (len(out), len(written)) == size:
+            return out
 
 
 def activations_of(gm: GraphModule) -> set[Node]:
