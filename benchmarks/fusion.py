@@ -20,6 +20,7 @@ Saved activation bytes per layer (forward, weights excluded) are printed next to
 Run:
     .venv/bin/python benchmarks/fusion.py                  # the example GPT's sizes (4 layers, hidden 64, 4 heads)
     .venv/bin/python benchmarks/fusion.py --hidden 256     # GEMMs weigh more: less to gain from attention
+    .venv/bin/python benchmarks/fusion.py --attention in_graph   # the causal mask built in forward, folded
 """
 from __future__ import annotations
 
@@ -149,8 +150,9 @@ def _speedup(samples: dict, name: str) -> tuple[float, float, float]:
 
 def format_table(result: dict) -> str:
     c = result["config"]
-    lines = [f"example GPT, explicit attention: seq {c['seq']}, layers {c['layers']}, hidden {c['hidden']}, heads "
-             f"{c['heads']}, batch {c['batch']}, 1 thread; {c['rounds']} rounds x {c['steps']} steps",
+    lines = [f"example GPT, explicit attention ({c['attention']} mask): seq {c['seq']}, layers {c['layers']}, "
+             f"hidden {c['hidden']}, heads {c['heads']}, batch {c['batch']}, 1 thread; {c['rounds']} rounds x "
+             f"{c['steps']} steps",
              f"{'variant':<18} {'median ms':>9} {'CPU ms':>7} {'fwd ms':>7} {'speedup':>8} {'(q1-q3)':>12} "
              f"{'CPU speedup':>11} {'recompute/fwd':>13} {'loss rel err':>12} {'grad abs err':>12}"]
     for name in result["times"]:
@@ -184,6 +186,8 @@ def _parse(argv):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--attention", default="explicit", choices=["explicit", "in_graph"],
+                   help="the causal mask held in a buffer, or built in forward")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the table shows medians over them")
     p.add_argument("--steps", type=int, default=2, help="train steps per variant per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
@@ -194,7 +198,8 @@ def _parse(argv):
 def main(argv=None) -> dict:
     args = _parse(argv)
     torch.set_num_threads(1)
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                    attention=args.attention)
     pm, ids, values = make(cfg, args.batch)
     gms = graphs(pm, values)
     errors = check(pm, ids, gms)
@@ -202,7 +207,7 @@ def main(argv=None) -> dict:
         assert loss_err <= TOL and grad_err <= TOL, f"{name}: loss rel {loss_err:.1e}, grad abs {grad_err:.1e}"
     result = time_variants(pm, ids, gms, args.rounds, args.steps, args.warmup)
     result["errors"] = errors
-    result["config"] = {**vars(args), "attention": "explicit"}
+    result["config"] = vars(args)
     if not args.no_memory:
         result["saved"] = saved_per_layer(cfg, args.batch)
     print(format_table(result))

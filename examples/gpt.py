@@ -1,7 +1,9 @@
 """A small GPT, written plainly: the model fxpar's examples, tests and benchmarks parallelize.
 
 Nothing in it knows about parallelism. Attention is explicit (matmul, scale, causal mask, softmax, matmul) by
-default, or torch's scaled_dot_product_attention with attention="sdpa".
+default, with the mask held in a buffer; attention="in_graph" builds the mask in forward (`torch.triu(torch.ones(T,
+T, dtype=torch.bool), 1)`, as much training code writes it); attention="sdpa" calls torch's
+scaled_dot_product_attention.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class GPTConfig:
     hidden: int = 64
     heads: int = 4
     dropout: float = 0.0
-    attention: str = "explicit"  # or "sdpa"
+    attention: str = "explicit"  # or "in_graph", "sdpa"
     tied: bool = True
 
 
@@ -44,7 +46,11 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+            if self.attention == "in_graph":
+                att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1),
+                                      float("-inf"))
+            else:
+                att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
             att = self.attn_drop(F.softmax(att, dim=-1))
             y = att @ v  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)

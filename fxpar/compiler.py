@@ -33,6 +33,8 @@ from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add
                                         identity_dropout_pass)
 from fxpar.passes.frontend.autocast_regions import inline_autocast_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
+from fxpar.passes.frontend.unfuse import parts as unfuse_parts
+from fxpar.passes.frontend.unfuse import unfuse
 from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
                                                        place_meta_state_pass)
 from fxpar.passes.pipeline.lower import Program, lower_program
@@ -143,6 +145,22 @@ def canonical_keys(model: nn.Module) -> dict[str, str]:
     for key, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         out[key] = first.setdefault(id(t), key)
     return out
+
+
+def _unfuse(c: Compiled) -> GraphModule:
+    """[Note: whole parts] A fused projection the analysis leaves replicated whose parts t cannot all split (one
+    K/V head) is cut into one GEMM per part, where the cut one then shards (passes/frontend/unfuse.py)."""
+    t = c.target.comm.size
+    fused = [n for n in c.gm.graph.nodes if n.op == "call_function" and unfuse_parts(n)]
+    if t == 1 or not fused:
+        return c.gm
+    left = {name for r in analyze(c.gm, t, param_nodes(c.gm)).regions for name in r.replicated}
+    for gemm in [n for n in fused if n.name in left]:
+        trial = copy.deepcopy(c.gm)
+        cut = unfuse(trial, next(n for n in trial.graph.nodes if n.name == gemm.name))
+        if cut and any(n.name in r.columns for n in cut for r in analyze(trial, t, param_nodes(trial)).regions):
+            c.gm = trial
+    return c.gm
 
 
 def _analyze(c: Compiled) -> Analysis:
@@ -282,6 +300,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("fresh_in_place", "gm", lambda c: fresh_in_place_pass(c.gm)),  # `a.add_(b)` on a fresh a nobody else reads
     ("cross_entropy", "gm", lambda c: cross_entropy_pass(c.gm)),  # log_softmax + nll as the cross-entropy it is
     ("gemm_forms", "gm", lambda c: gemm_forms_pass(c.gm)),  # every weight contraction as linear / mm / addmm
+    ("unfuse", "gm", _unfuse),  # a fused projection with a part t cannot split (one K/V head): a GEMM per part
     ("analyze", "analysis", _analyze),  # placements and regions of column- then row-parallel GEMMs
     ("vocab", "analysis", _vocab),  # the vocab-parallel embedding, LM head and loss (passes/sharding/vocab_analysis.py)
     ("check_divisible", None, _check_divisible),  # every sharded size divides by t, or a clear error

@@ -43,6 +43,9 @@ BUILDERS = {
     "encoder_seq_first": lambda: _encoder(True, batch_first=False),  # activations [s, b, h]
     "gpt2": lambda: _causal(_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, n_positions=32,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **HF_COMMON)),
+    "starcoder_mqa": lambda: _causal(_hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=32, n_head=4,
+                                         n_positions=32, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, **HF_COMMON)),  # one K/V head in a fused [q | k | v]
     "llama": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=4, **LLAMA_LIKE)),
     "llama_gqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **LLAMA_LIKE)),
     "llama_mqa": lambda: _causal(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1, **LLAMA_LIKE)),

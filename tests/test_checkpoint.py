@@ -293,6 +293,32 @@ def test_chunks_are_the_shard_in_the_full_tensor():
         assert covered.eq(1).all(), (spec, covered)
 
 
+def test_whole_parts_are_the_same_chunk_on_every_rank():
+    """[Note: whole parts]: the K and V rows every rank holds are one chunk at the same offsets on every rank (DCP
+    keeps one copy); the query rows are tiled once."""
+    from fxpar.checkpoint.chunks import chunks
+    from fxpar.passes.ir.placements import Shard, local_shard
+
+    spec, t = Shard(0, (8, 2, 2), whole=frozenset({1, 2})), 2
+    full = torch.arange(12 * 3).reshape(12, 3)
+    seen = []
+    for r in range(t):
+        local = local_shard(full, spec, r, t)
+        assert local.shape == (8, 3)
+        got = chunks((12, 3), spec, r, t)
+        for local_start, global_start, n in got:
+            assert torch.equal(local.narrow(0, local_start, n), full.narrow(0, global_start, n))
+        seen.append(got)
+    assert seen == [[(0, 0, 4), (4, 8, 4)], [(0, 4, 4), (4, 8, 4)]]  # k|v: one chunk, the same on both ranks
+
+
+@pytest.mark.parametrize("before,after", [(_layout(t=2), _layout()), (_layout(), _layout(t=2))])
+def test_resume_with_whole_parts(request, tmp_path, before, after):
+    """One K/V head in a fused projection (StarCoder's multi-query attention), saved at t=2 and loaded at t=1, and
+    the reverse."""
+    _check_resume(request, tmp_path, "starcoder_mqa", before, after)
+
+
 def _params_on_meta(model):
     """The model with its parameters (not its buffers) on the meta device, as loaders that build models empty do."""
     for module in model.modules():

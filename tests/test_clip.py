@@ -51,6 +51,14 @@ def test_global_norm_equals_torch_and_the_step_is_exact(pool2, p, t, d, norm_typ
         assert gap <= TOL * max(1.0, want) and state_gap <= TOL, (gap, want, state_gap)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_whole_parts_are_counted_once(pool2, norm_type):
+    """One K/V head in a fused projection: every tp rank holds the K and V rows whole ([Note: whole parts])."""
+    for gap, want, state_gap in pool2.run(_clipped_step, "starcoder_mqa", 1, 2, 1, norm_type, 0.05):
+        assert want > 0.05
+        assert gap <= TOL * max(1.0, want) and state_gap <= TOL, (gap, want, state_gap)
+
+
 def test_a_large_max_norm_changes_nothing(pool2):
     for gap, want, state_gap in pool2.run(_clipped_step, "llama", 1, 2, 1, 2.0, 1e6):
         assert gap <= TOL * max(1.0, want) and state_gap <= TOL

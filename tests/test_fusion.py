@@ -388,3 +388,56 @@ def test_fake_tensor_prop_runs_on_the_fused_graph():
     inputs = [mode.from_tensor(v) for v in resolve_inputs(traced.inputs, state, traced.constants, (x,))]
     FakeTensorProp(gm, mode).propagate(*inputs)
     assert tuple(list(gm.graph.nodes)[-2].meta["val"].shape) == (2, 3, 8)
+
+
+# ------------------------------------------------------------------ masks built in the graph, folded and proven
+class InGraphMask(nn.Module):
+    """Causal attention whose mask the forward builds from sizes, as much real code writes it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v):
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * 0.5
+        if self.how == "triu_bool":
+            att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+        elif self.how == "tril_eq_0":
+            att = att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf"))
+        elif self.how == "arange":
+            i = torch.arange(T)
+            att = att.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        elif self.how == "full_inf_triu":
+            att = att + torch.full((T, T), float("-inf")).triu(1)
+        elif self.how == "hf_lowest":  # Hugging Face's additive mask: the dtype's lowest value above the diagonal
+            i = torch.arange(T)
+            att = att + torch.zeros(T, T).masked_fill(i[None, :] > i[:, None], torch.finfo(torch.float32).min)
+        elif self.how == "not_causal":  # the diagonal masked too
+            att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 0), -1e9).masked_fill(
+                torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+        elif self.how == "finite_fill":  # -1e4 is not -inf: an additive mask, not causality
+            att = att + torch.full((T, T), -1e4).triu(1)
+        elif self.how == "random":
+            att = att.masked_fill(torch.rand(T, T) > 2.0, float("-inf"))  # all False, but drawn: never folded
+        return F.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("how", ["triu_bool", "tril_eq_0", "arange", "full_inf_triu", "hf_lowest"])
+def test_a_causal_mask_built_in_the_graph_is_folded_and_fused(how):
+    gm = _same_math(InGraphMask(how), _qkv(), attention_to_sdpa_pass)
+    sdpa = [n for n in gm.graph.nodes if n.meta.get(FXPAR_FUSED) == "sdpa"]
+    assert len(sdpa) == 1 and sdpa[0].kwargs.get("is_causal") and len(sdpa[0].args) == 3, gm.code
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (
+        torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.arange.default)], gm.code
+
+
+@pytest.mark.parametrize("how", ["not_causal", "random"])
+def test_a_mask_built_in_the_graph_that_is_not_causal_or_not_constant_is_left_alone(how):
+    _untouched(InGraphMask(how), _qkv(), attention_to_sdpa_pass)
+
+
+def test_a_finite_additive_mask_built_in_the_graph_stays_a_mask():
+    gm = _same_math(InGraphMask("finite_fill"), _qkv(), attention_to_sdpa_pass)
+    sdpa = [n for n in gm.graph.nodes if n.meta.get(FXPAR_FUSED) == "sdpa"]
+    assert len(sdpa) == 1 and not sdpa[0].kwargs.get("is_causal") and len(sdpa[0].args) == 4, gm.code

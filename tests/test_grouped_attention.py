@@ -154,3 +154,32 @@ def _pipeline_gaps(kind: str, steps: int = 3) -> tuple[float, float]:
 def test_pipeline_of_grouped_attention_at_p2_t2(pool4, kind):
     for loss_gap, param_gap in pool4.run(_pipeline_gaps, kind):
         assert loss_gap <= 1e-5 and param_gap <= 1e-5, (loss_gap, param_gap)
+
+
+# --- one K/V head inside a fused projection (multi-query attention): the GEMM is cut per part, Q's column-parallel,
+# K's and V's replicated ([Note: whole parts] in passes/ir/placements.py)
+@pytest.mark.parametrize("kind", ["fused_flat", "fused_per_group"])
+def test_one_kv_head_in_a_fused_projection_shards_the_queries(kind):
+    plan = build(_model(kind, 4, 1), TPComm(rank=0, size=2), (_x(),)).plan
+    weights = {w.key: w for w in plan.weights}
+    qkv = weights["layers.0.qkv.weight"]
+    assert qkv.local_shape == (16 + 8 + 8, D), plan.weight_table()  # rank 0's 2 query heads, the K and V head whole
+    assert "8*" in str(qkv.placement) and weights["layers.0.qkv.bias"].local_shape == (32,)
+    attention = next(r for r in plan.regions if r.module == "layers.0" and r.columns)
+    assert len(attention.replicated) == 2, plan.region_table()  # K's and V's GEMMs
+    # f and g per region; in backward also the K and V heads scattered into the attention (all-gathered), named
+    assert per_layer(plan.comm) == (2.0, 4.0), plan.comm_table()
+    assert plan.comm_table().count("scatter") >= 2
+
+
+@pytest.mark.parametrize("kind,t", [("fused_flat", 2), ("fused_per_group", 2), ("fused_flat", 4)])
+def test_one_kv_head_in_a_fused_projection_is_exact(kind, t):
+    model, x = _model(kind, 8, 1), _x()
+
+    def measure(pm, reference):
+        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+        return (*sgd_gaps(pm, reference, (x,)), share)
+
+    for fwd, params, share in on_tp_ranks(model, (x,), measure, tp=t):
+        assert fwd <= 1e-5 and params <= 1e-5, (fwd, params)
+        assert share < 1 / t + 0.12, share  # the K and V rows are whole on every rank

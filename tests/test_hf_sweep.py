@@ -11,7 +11,7 @@ from tests.threaded import Threaded
 SUBSET = {
     "llama": 0.55,  # nn.Linear projections, GQA
     "gemma4_unified_text": 0.55,  # upcast norms and rotary tables (metadata asserts in the trace)
-    "falcon": 0.7,  # FalconLinear: x @ W.T; its fused multi-query QKV stays replicated (the plan says why)
+    "falcon": 0.55,  # FalconLinear: x @ W.T; its fused multi-query QKV cut per part, the one K/V head whole
     "bitnet": 0.52,  # RMSNorms over the sharded intermediate and attention output: partial statistics
     "bart": 0.52,  # encoder-decoder; positional tables larger than the vocabulary
 }
@@ -24,7 +24,9 @@ def test_a_hugging_face_architecture_is_exact_and_sharded(arch):
         row = sweep_one(arch, architectures()[arch])
     assert row["status"] == ("sharded" if SUBSET[arch] <= SHARDED else "partly sharded"), row
     assert row["gap"] <= 1e-5 and row["share"] <= SUBSET[arch], row
-    assert row["fwd"] <= 2 and row["bwd"] <= 2, row  # Megatron's bound per layer
+    # Megatron's bound per layer; Falcon's K and V heads, scattered into the attention, are all-gathered in backward
+    # (one collective: its parallel attention and MLP share one f)
+    assert row["fwd"] <= 2 and row["bwd"] <= (3 if arch == "falcon" else 2), row
     assert f"| {arch} | {row['status']} |" in markdown([row])
 
 

@@ -8,7 +8,8 @@ from fxpar.passes.sharding.view_rules import ReshapeError, reshape_shard
 
 @pytest.mark.parametrize("spec,t", [
     (Shard(1, (12,)), 2), (Shard(1, (4, 4, 4)), 2), (Shard(1, (8, 4, 4)), 4), (Shard(0, (6,), pre=2), 3),
-    (Shard(1, (4, 2), post=3), 2),
+    (Shard(1, (4, 2), post=3), 2), (Shard(0, (8, 2, 2), whole=frozenset({1, 2})), 2),
+    (Shard(1, (8, 2, 2), whole=frozenset({1, 2})), 4),
 ])
 def test_local_shard_roundtrip(spec, t):
     x = torch.arange(4 * spec.size * 2.0).view(4, spec.size, 2) if spec.dim == 1 else torch.arange(spec.size * 3.0).view(spec.size, 3)
@@ -23,6 +24,14 @@ def test_head_interleaved_layout():
     assert local_shard(x, spec, 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
     gqa = Shard(0, (8, 2, 2))  # q has 4x the heads of k and v
     assert local_shard(torch.arange(12), gqa, 1, 2).tolist() == [4, 5, 6, 7, 9, 11]
+
+
+def test_whole_parts_are_held_by_every_rank():
+    # [Note: whole parts]: rank r holds block r of q and all of k and v; equal parts do not fold
+    spec = Shard(0, (4, 2, 2), whole=frozenset({1, 2}))
+    assert local_shard(torch.arange(8), spec, 1, 2).tolist() == [2, 3, 4, 5, 6, 7]
+    assert spec.local_size(2) == 6 and spec.divisible(2) and str(spec) == "S(0, 1x[4|2*|2*]x1)"
+    assert Shard(0, (2, 2), whole=frozenset({1})).parts == (2, 2)
 
 
 def test_canonical_forms():

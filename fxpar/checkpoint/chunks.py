@@ -30,13 +30,15 @@ def chunks(full_shape: tuple[int, ...], spec: Shard | None, rank: int, t: int) -
     replicated tensor (spec None) is one range over dim 0 (or a scalar's empty one)."""
     if spec is None:
         return [(0, 0, full_shape[0] if full_shape else 1)]
-    ranges, total = [], sum(spec.parts)
+    ranges, total, local_parts = [], sum(spec.parts), spec.local_parts(t)
     for block in range(spec.pre):
-        local, glob = block * total // t, block * total
-        for part in spec.parts:
-            n = part // t
-            start = (local * spec.post, (glob + rank * n) * spec.post, n * spec.post)
-            if ranges and ranges[-1][0] + ranges[-1][2] == start[0] and ranges[-1][1] + ranges[-1][2] == start[1]:
+        local, glob = block * sum(local_parts), block * total
+        for i, (part, n) in enumerate(zip(spec.parts, local_parts)):
+            first = glob if i in spec.whole else glob + rank * n  # a whole part: the same range on every rank
+            start = (local * spec.post, first * spec.post, n * spec.post)
+            joins = i > 0 and (i in spec.whole) == (i - 1 in spec.whole)  # whole parts: chunks of their own, alike
+            if joins and ranges and ranges[-1][0] + ranges[-1][2] == start[0] \
+                    and ranges[-1][1] + ranges[-1][2] == start[1]:
                 ranges[-1] = (ranges[-1][0], ranges[-1][1], ranges[-1][2] + start[2])
             else:
                 ranges.append(start)

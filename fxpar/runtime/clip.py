@@ -3,13 +3,13 @@ semantics: the norm of all gradients as if the model were one module, every grad
 max_norm / (norm + 1e-6) when that is below 1; returns the total norm.
 
 [Note: count every gradient once]
-    A rank's local gradients are not the model's: a tensor-parallel shard is a part of one (summed over the tp
-    group), a replicated weight is the same on every tp rank ([Note: replicated means identical]: counted on tp
-    rank 0 only), a weight tied across pipeline stages has one owner of record (counted there only), and the
-    data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp; with
-    the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). So
-    each rank sums |g|^p over what it counts, the sum is all-reduced over tp and pp, and every rank scales all the
-    gradients it holds by the same coefficient, which keeps the replicas identical.
+    A rank's local gradients are not the model's: a tensor-parallel shard is a part of one (summed over the tp group), a
+    replicated weight is the same on every tp rank ([Note: replicated means identical]: counted on tp rank 0 only, as
+    are a weight's whole parts), a weight tied across pipeline stages has one owner of record (counted there only), and
+    the data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp; with
+    the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). So each
+    rank sums |g|^p over what it counts, the sum is all-reduced over tp and pp, and every rank scales all the gradients
+    it holds by the same coefficient, which keeps the replicas identical.
 """
 from __future__ import annotations
 
@@ -26,6 +26,27 @@ def _counted_here(pm, key: str) -> bool:
     return tied is None or dist.get_rank() == min(dist.get_process_group_ranks(tied))
 
 
+def _without_whole_copies(pm, key: str, g: torch.Tensor, zero) -> torch.Tensor:
+    """g, with the rows of a weight's whole parts zeroed off tp rank 0 ([Note: whole parts] in
+    passes/ir/placements.py: every tp rank holds them, so rank 0 counts them); g is a distributed optimizer's piece
+    of the flattened tensor when `zero` is one."""
+    spec = pm.specs.get(key)
+    if spec is None or not spec.whole or pm.comm.rank == 0:
+        return g
+    from fxpar.runtime.zero import pieces
+
+    shape, local = tuple(pm.weights.live[key].shape), spec.local_parts(pm.comm.size)
+    blocks = shape[:spec.dim] + (spec.pre, sum(local), spec.post) + shape[spec.dim + 1:]
+    keep = torch.ones(blocks, dtype=g.dtype, device=g.device)
+    start = 0
+    for i, n in enumerate(local):
+        if i in spec.whole:
+            keep.narrow(spec.dim + 1, start, n).zero_()
+        start += n
+    keep = keep.reshape(shape)
+    return g * (pieces(keep.reshape(-1), zero.d)[zero.r] if zero is not None else keep)
+
+
 @torch.no_grad()
 def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of a ParallelModule by their global norm; returns that norm (see the module docstring)."""
@@ -38,7 +59,8 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     if not grads:
         raise RuntimeError("fxpar clip_grad_norm_: no gradients to clip on this rank. Fix: call it after pm.step() "
                            "(or a backward of pm(x)), before the optimizer's step")
-    counted = [g.detach().to(torch.float64) for k, g in grads.items() if _counted_here(pm, k)]
+    counted = [_without_whole_copies(pm, k, g.detach().to(torch.float64), zero) for k, g in grads.items()
+               if _counted_here(pm, k)]
     nothing = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
     if norm_type == math.inf:
         local = max((g.abs().max() for g in counted if g.numel()), default=nothing)

@@ -5,5 +5,6 @@
     autocast_regions.py  `with torch.autocast(...)` bodies inlined between the context's enter and exit calls
     gemm_forms.py     every contraction of an activation with a 2-D weight as linear / mm / addmm
     grouped_gemm.py   mixture-of-experts GEMMs (a 3-D weight slice per expert) as fxpar's grouped ops
+    unfuse.py         a fused projection cut into one GEMM per part, on row blocks of its weight (one K/V head)
     layers.py         what a transformer layer is: the repeated blocks of the module tree
 """

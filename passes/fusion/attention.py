@@ -2,8 +2,11 @@
 
     matmul(q, k^T) [* c] [masked_fill(causal mask, -inf) | + mask] -> softmax(-1) [-> dropout] -> matmul(., v)
 
-A masked_fill mask is only dropped (is_causal=True) when its value, evaluated at pass time from the buffers, is
-causal. `values` maps the graph's buffer and constant inputs (GraphInput records, passes/ir/meta.py) to tensors.
+A mask is only dropped (is_causal=True) when its value, evaluated at pass time, is causal: a masked_fill's boolean
+mask, or an additive mask of 0 and -inf (or the dtype's lowest value, as Hugging Face fills). The value is folded
+from the buffers and constants the mask reads (`values` maps the graph's buffer and constant inputs, GraphInput
+records of passes/ir/meta.py, to tensors) and from constants built in the graph (`torch.triu(torch.ones(T, T), 1)`,
+`torch.full((T, T), -inf).triu(1)`, comparisons of `arange`s): deterministic ops of no model input, no random op.
 """
 from __future__ import annotations
 
@@ -23,7 +26,12 @@ aten = torch.ops.aten
 _MASK_OPS = {aten.alias.default, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
              aten.squeeze.dim, aten.expand.default, aten.eq.Scalar, aten.ne.Scalar, aten.logical_not.default,
              aten.bitwise_not.default, aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default,
-             aten.select.int, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar}
+             aten.select.int, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
+             # constants built in the graph: deterministic functions of sizes and numbers
+             aten.ones.default, aten.zeros.default, aten.full.default, aten.arange.default, aten.arange.start,
+             aten.arange.start_step, aten.triu.default, aten.tril.default, aten.lt.Tensor, aten.le.Tensor,
+             aten.gt.Tensor, aten.ge.Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.masked_fill.Scalar,
+             aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.logical_and.default, aten.logical_or.default}
 
 
 _MISSING = object()
@@ -59,18 +67,25 @@ def _inputs_of(n: Node) -> tuple:
     return tuple(out)
 
 
-def _provably_causal(mask: Node, scores: Node, values: Mapping | None) -> bool:
-    """The boolean mask, evaluated now from the buffers, is ~tril(ones(L, S)) with only size-1 leading dims."""
+def _provably_causal(mask: Node, scores: Node, values: Mapping | None, additive: bool = False) -> bool:
+    """The mask, evaluated now, is causal with only size-1 leading dims: a boolean ~tril(ones(L, S)) to fill, or
+    (additive) 0 on and below the diagonal and -inf or the lowest finite value of the scores' dtype above it (the
+    softmax of either is exactly 0 there: a causal row always keeps its diagonal)."""
     sv = val(scores)
-    if sv is None or values is None:
+    if sv is None:
         return False
-    m = _evaluate(mask, values)
-    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or not 2 <= m.dim() <= sv.dim():
+    m = _evaluate(mask, values or {})
+    if not isinstance(m, torch.Tensor) or not 2 <= m.dim() <= sv.dim() or m.dtype != (sv.dtype if additive else
+                                                                                      torch.bool):
         return False
     L, S = sv.shape[-2:]
     if tuple(m.shape[-2:]) != (L, S) or any(d != 1 for d in m.shape[:-2]):
         return False
-    return torch.equal(m.reshape(L, S).cpu(), ~torch.ones(L, S, dtype=torch.bool).tril())
+    m, above = m.reshape(L, S).cpu(), ~torch.ones(L, S, dtype=torch.bool).tril()
+    if not additive:
+        return torch.equal(m, above)
+    lowest = torch.finfo(m.dtype).min
+    return bool((m[~above] == 0).all() and ((m[above] == float("-inf")) | (m[above] == lowest)).all())
 
 
 @dataclass
@@ -114,7 +129,10 @@ def _match_mask_and_scale(t: Node, a: _Attention, values) -> Node | None:
             sv, mv = val(scores), val(mask)
             if is_call(scores, aten.mul.Tensor, aten.div.Tensor, aten.matmul.default) and sv is not None and \
                     mv is not None and mv.dtype == sv.dtype and mv.dim() <= sv.dim() and val(t).shape == sv.shape:
-                a.attn_mask = mask
+                if _provably_causal(mask, scores, values, additive=True):
+                    a.is_causal, a.mask_expr = True, mask
+                else:
+                    a.attn_mask = mask
                 a.chain.append(t)
                 t = scores
                 break

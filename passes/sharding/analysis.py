@@ -163,7 +163,7 @@ def _column(gemm: Node, s: Shard, params: set[Node], x: Node) -> tuple[Decision,
     bias = gemm.args[2] if gemm.target is aten.linear.default and len(gemm.args) > 2 else None
     bias = gemm.args[0] if gemm.target is aten.addmm.default else bias
     if isinstance(bias, Node):
-        if bias in params and other_use(bias, gemm) is None:
+        if (bias in params or row_block(bias, params) is not None) and other_use(bias, gemm) is None:
             specs[bias] = Shard(0, *layout)
         else:
             enter[bias] = Shard(0, *layout)
@@ -193,6 +193,8 @@ def _grow(seeds: list[Node], ctx: Ctx, order: dict[Node, int], frozen: dict[Node
         s = _seed_spec(g, ctx.t)
         if not s.divisible(ctx.t):
             raise Indivisible(f"{g.name}: output features {s.size} (parts {s.parts}) not divisible by t={ctx.t}")
+        if not s.plain and g.args[GEMM_WEIGHT_ARG[g.target][0]] not in ctx.params:
+            raise NoRule(f"{g.name}: a row block of a weight with parts {s.parts}")
         x = g.args[GEMM_WEIGHT_ARG[g.target][1]]
         decisions[g], got = _column(g, s, ctx.params, x)
         specs.update(got)
@@ -269,6 +271,48 @@ def _gathered_param(inp: Node, how: Shard, ctx: Ctx) -> Node | None:
     return param if how.dim >= _index_dims(inp) else None
 
 
+def row_block(w: Node, params: set[Node]) -> Node | None:
+    """P when w is `P[a:b]`, rows of a parameter P whose every use is such a block, the blocks disjoint, each read
+    by one node (a GEMM cut per part, passes/frontend/unfuse.py); else None."""
+    if not (isinstance(w, Node) and w.op == "call_function" and w.target is aten.slice.Tensor):
+        return None
+    p = w.args[0]
+    if p not in params:
+        return None
+    rows = []
+    for u in p.users:
+        args = list(u.args) + [0, None, None, 1][len(u.args) - 1:]
+        if u.target is not aten.slice.Tensor or u.args[0] is not p or args[1] != 0 or args[4] != 1 \
+                or len(u.users) != 1:
+            return None
+        rows.append((u.meta["val"].shape[0], args[2] or 0))
+    rows = sorted((start, start + n) for n, start in rows)
+    return p if all(a[1] <= b[0] for a, b in zip(rows, rows[1:])) else None
+
+
+def _compose_row_blocks(param_specs: dict, decisions: dict, placements: dict, t: int) -> None:
+    """[Note: whole parts] The specs the seeds gave row blocks P[a:b] become one spec of P: the sharded blocks are
+    parts split over t, every other row range a whole part; each block reads its rows of P's local tensor."""
+    by_param: dict[Node, dict[Node, Shard]] = {}
+    for n in [n for n in param_specs if n.op == "call_function"]:
+        by_param.setdefault(n.args[0], {})[n] = param_specs.pop(n)
+    for p, sharded in by_param.items():
+        size = p.meta["val"].shape[0]
+        blocks = sorted(((u.args[2] or 0, u) for u in p.users), key=lambda b: b[0])
+        cuts = sorted({0, size} | {a for a, _ in blocks} | {a + u.meta["val"].shape[0] for a, u in blocks})
+        sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+        starts = cuts[:-1]
+        split_at = {a for a, u in blocks if u in sharded}
+        spec = Shard(0, tuple(sizes), whole=frozenset(i for i, a in enumerate(starts) if a not in split_at))
+        local = dict(zip(starts, itertools.accumulate([0] + list(spec.local_parts(t)))))
+        param_specs[p] = placements[p] = spec
+        for a, u in blocks:
+            n = u.meta["val"].shape[0]
+            out = sharded[u] if u in sharded else Replicate()
+            end = local[a] + (n // t if u in sharded else n)
+            decisions[u], placements[u] = Decision(out, args=(p, 0, local[a], end)), out
+
+
 def _shard_scattered_params(decisions: dict[Node, Decision], ctx: Ctx) -> dict[Node, Shard]:
     """A parameter that enters the region scattered at its every use, alike (an RMSNorm's weight over the sharded
     features), is stored sharded instead: no copy of it, and no all-gather of its gradient."""
@@ -312,7 +356,7 @@ def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[No
         if n.op == "call_function" and n.target in GEMM_WEIGHT_ARG:
             w_idx, x_idx, _ = GEMM_WEIGHT_ARG[n.target]
             w = n.args[w_idx]
-            if w not in params:
+            if w not in params and (n.target is not aten.linear.default or row_block(w, params) is None):
                 continue
             other = other_use(w, n)
             if other is None:
@@ -496,6 +540,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             region.replicated = [s.name for s in seeds if s.name not in region.columns]
             region.reason = first_error or ""
             regions.append(region)
+        _compose_row_blocks(param_specs, decisions, placements, t)
     return Analysis(t, placements, decisions, param_specs, regions, grad_nodes(gm, params))
 
 

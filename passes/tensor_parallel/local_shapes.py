@@ -33,7 +33,7 @@ def local_fake_inputs(gm: GraphModule, specs: dict[str, Shard], t: int, mode: Fa
         shape = list(v.shape)
         spec = specs.get(input_of(n).key) if input_of(n).is_state else None
         if spec is not None:
-            shape[spec.dim] //= t
+            shape[spec.dim] = spec.local_size(t)
         device = meta_to if meta_to is not None and v.device.type == "meta" else v.device
         with mode:
             out.append(torch.empty(shape, dtype=v.dtype, device=device))
