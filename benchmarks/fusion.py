@@ -150,7 +150,8 @@ def _speedup(samples: dict, name: str) -> tuple[float, float, float]:
 
 def format_table(result: dict) -> str:
     c = result["config"]
-    lines = [f"example GPT, explicit attention ({c['attention']} mask): seq {c['seq']}, layers {c['layers']}, "
+    mask = "mask built in forward" if c["attention"] == "in_graph" else "mask in a buffer"
+    lines = [f"example GPT, explicit attention ({mask}): seq {c['seq']}, layers {c['layers']}, "
              f"hidden {c['hidden']}, heads {c['heads']}, batch {c['batch']}, 1 thread; {c['rounds']} rounds x "
              f"{c['steps']} steps",
              f"{'variant':<18} {'median ms':>9} {'CPU ms':>7} {'fwd ms':>7} {'speedup':>8} {'(q1-q3)':>12} "
