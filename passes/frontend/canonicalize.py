@@ -81,7 +81,8 @@ def _functional(target):
     schema = getattr(target, "_schema", None)
     name = schema.name.split("::")[-1] if schema is not None else ""
     if not name.endswith("_") or name.startswith("_") or not schema.arguments \
-            or not (schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write):
+            or not (schema.arguments[0].alias_info and schema.arguments[0].alias_info.is_write) \
+            or torch.Tag.nondeterministic_seeded in target.tags:  # random draws keep their form (their streams)
         return None
     packet = getattr(torch.ops.aten, name[:-1], None)
     return getattr(packet, target._overloadname, None) if packet is not None else None

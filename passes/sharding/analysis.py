@@ -283,7 +283,7 @@ def row_block(w: Node, params: set[Node]) -> Node | None:
     for u in p.users:
         args = list(u.args) + [0, None, None, 1][len(u.args) - 1:]
         if u.target is not aten.slice.Tensor or u.args[0] is not p or args[1] != 0 or args[4] != 1 \
-                or len(u.users) != 1:
+                or len(u.users) != 1 or (args[2] or 0) < 0:
             return None
         rows.append((u.meta["val"].shape[0], args[2] or 0))
     rows = sorted((start, start + n) for n, start in rows)
@@ -454,9 +454,10 @@ def _producers(x: Node, candidates: set[Node], frozen: dict, placements: dict) -
     """The seed GEMMs x is computed from by replicated ops alone (a key projection viewed into heads; a gate's
     up-projection through its softplus), in graph order from x back; the walk stops at seeds, and at what earlier
     regions decided (the layer's input comes through a row GEMM's g)."""
-    stop = lambda a: a is x or (a not in candidates and a not in frozen and a not in placements  # noqa: E731
-                                and a.op == "call_function")
-    return [a for a in upstream(x, through=stop) if a in candidates]
+    def through(a: Node) -> bool:
+        return a is x or (a.op == "call_function" and a not in candidates and a not in frozen and a not in placements)
+
+    return [a for a in upstream(x, through=through) if a in candidates]
 
 
 def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: set[Node], placements, order, frozen,

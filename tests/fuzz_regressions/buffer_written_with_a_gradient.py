@@ -88,11 +88,3 @@ def call():  # the inputs the check calls with, after tracing with example()
     aux = inp
     return (inp,), {'aux': aux}
 
-
-if __name__ == "__main__":  # python /tmp/fuzz2/fuzz_84.py
-    import sys
-    sys.path.insert(0, '/work/main')
-    from tests.fuzz import OPTIONS, Threaded, run_one
-    OPTIONS.update({})
-    with Threaded():
-        print(run_one(open(__file__).read()))
