@@ -31,7 +31,7 @@ from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadat
                                                 merge_aliases_pass, view_as_pass)
 from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
                                         identity_dropout_pass)
-from fxpar.passes.frontend.autocast_regions import inline_autocast_pass
+from fxpar.passes.frontend.context_regions import inline_context_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
@@ -294,7 +294,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
     ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
     ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
-    ("autocast_regions", "gm", lambda c: inline_autocast_pass(c.gm)),  # `with torch.autocast` bodies as ops
+    ("context_regions", "gm", lambda c: inline_context_pass(c.gm)),  # autocast, no_grad bodies as ops
     ("drop_asserts", "gm", lambda c: drop_metadata_asserts_pass(c.gm)),  # metadata-only asserts
     ("view_as", "gm", lambda c: view_as_pass(c.gm)),  # view_as spelled as the view it is
     ("fresh_in_place", "gm", lambda c: fresh_in_place_pass(c.gm)),  # `a.add_(b)` on a fresh a nobody else reads

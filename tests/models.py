@@ -147,6 +147,16 @@ def sgd_gaps(pm, reference, args, kwargs=None, lr: float = 0.5) -> tuple[float, 
     return fwd, max((full[k].double() - want[k].double()).abs().max().item() for k in want)
 
 
+def gaps_and_share(args, kwargs=None):
+    """A per-rank measure for on_tp_ranks: (forward gap, parameter gap after SGD, the rank's local share of the
+    parameters)."""
+    def measure(pm, reference):
+        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+        return (*sgd_gaps(pm, reference, args, kwargs), share)
+
+    return measure
+
+
 class Stack(torch.nn.Module):
     """`n` layers made by `layer()` in a ModuleList, run in order: the smallest model with a layer list."""
 

@@ -10,6 +10,8 @@ GroupOp), so a family fixed here is fixed for every pass that reads it.
     CASTS        change the dtype only
     SOFTMAX, LOG_SOFTMAX, SDPA
     GEMMS        every matrix product, with or without a weight (the analysis' seeds are rules.GEMM_WEIGHT_ARG)
+    MODE_CALLS   enter or leave an autocast or grad-mode region (passes/frontend/context_regions.py): a value made
+                 on one side of one is not the value made on the other (no gradient, another dtype)
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ LAYOUT = ROW_VIEWS | {
 TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 CASTS = frozenset({aten.to.dtype, aten._to_copy.default})
+MODE_CALLS = frozenset({torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                        torch.amp.autocast_mode._exit_autocast})
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default})
 LOG_SOFTMAX = frozenset({aten.log_softmax.int, aten._log_softmax.default})
 SDPA = frozenset({aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default})

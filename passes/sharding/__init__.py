@@ -7,6 +7,7 @@
     rule_table.py        the rules by op, one read-only table (rule_for)
     fused_projections.py GEMMs whose output columns the model cuts into parts (Q|K|V, gate|up)
     analysis.py          regions of column- then row-parallel GEMMs, each proven with the rules
+    shared_weights.py    a weight several GEMMs read (a looped block), sharded where all of them shard it alike
     vocab_analysis.py    the vocab-parallel embedding and LM head (one shard of the vocabulary)
     plan.py              every decision as data, with a printable table
     comm_audit.py        each layer's collectives in the rewritten graph against Megatron's 2 + 2

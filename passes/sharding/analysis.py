@@ -65,8 +65,9 @@ from fxpar.passes.ir.meta import USER, input_of, module_path
 from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.rule_table import rule_for
+from fxpar.passes.sharding.shared_weights import SHARDING_GEMM, describe, shared_conflicts, weight_spec_of
 from fxpar.passes.sharding.rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible,
-                                         NoRule, Role, elementwise, other_use)
+                                         NoRule, Role, elementwise, gemm_uses, other_use)
 
 aten = torch.ops.aten
 
@@ -147,10 +148,6 @@ def _seed_spec(gemm: Node, t: int) -> Shard:
     out_features = gemm.meta["val"].shape[-1]
     parts = fused_parts(gemm) or (out_features,)
     return Shard(gemm.meta["val"].dim() - 1, tuple(parts))
-
-
-def describe(n: Node) -> str:
-    return f"{n.name} (module {module_path(n) or '<root>'})"
 
 
 def _column(gemm: Node, s: Shard, params: set[Node], x: Node) -> tuple[Decision, dict[Node, Shard]]:
@@ -248,7 +245,10 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
         decisions[n], ctx.placements[n] = d, d.out
         if d.role is Role.ROW:
             x = n.args[GEMM_WEIGHT_ARG[n.target][1]]
-            specs.update(_row_spec(n, ctx.placements[x]))
+            for p, spec in _row_spec(n, ctx.placements[x]).items():
+                if specs.setdefault(p, spec) != spec:  # [Note: shared weights]: both uses in one region
+                    raise NoRule(f"{describe(n)} would store its weight {p.name} as {spec}, another GEMM of the "
+                                 f"region as {specs[p]}: the two would store it differently")
         elif is_sharded(d.out):
             push_users(n)
 
@@ -347,9 +347,12 @@ def _common_module(nodes: list[Node]) -> str:
     return ".".join(common)
 
 
-def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[Node]], list[Region]]:
+def _seed_groups(gm: GraphModule, params: set[Node], banned: dict[Node, str]
+                 ) -> tuple[dict[Node, list[Node]], list[Region]]:
     """GEMMs with a weight parameter, grouped by the activation they read; and a refusal for each whose weight has
-    another use ([Note: every use is proven]: a sharded weight's every use must be in its region)."""
+    a use other than as a GEMM's weight ([Note: every use is proven]: a sharded weight's every use must be in its
+    region, or a GEMM of its own sharding it alike: [Note: shared weights] in shared_weights.py), or that `banned`
+    names."""
     groups: dict[Node, list[Node]] = {}
     refused = []
     for n in gm.graph.nodes:
@@ -359,11 +362,13 @@ def _seed_groups(gm: GraphModule, params: set[Node]) -> tuple[dict[Node, list[No
             if w not in params and (n.target is not aten.linear.default or row_block(w, params) is None):
                 continue
             other = other_use(w, n)
-            if other is None:
-                groups.setdefault(_activation_root(n.args[x_idx]), []).append(n)
-            else:
+            shared = w in params and gemm_uses(w) is not None
+            if n in banned or (other is not None and not shared):
+                why = banned.get(n) or f"weight {w.name} is also read by {describe(other)}"
                 refused.append(Region(module_path(n), [], replicated=[n.name], modules={n.name: module_path(n)},
-                                      reason=f"weight {w.name} is also read by {describe(other)}"))
+                                      reason=why))
+            else:
+                groups.setdefault(_activation_root(n.args[x_idx]), []).append(n)
     return groups, refused
 
 
@@ -476,7 +481,7 @@ def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: se
     tried: set[Node] = set()
     while (g := next(scattered_seeds(), None)) is not None:
         tried.add(g)
-        trial = Ctx(dict(placements), ctx.t, ctx.params)
+        trial = Ctx(dict(placements), ctx.t, ctx.params, ctx.refused)
         try:
             grown, grown_specs = _grow(seeds + [g], trial, order, frozen, activations)
         except NoRule:
@@ -486,15 +491,28 @@ def _pull_in(seeds: list[Node], ctx: Ctx, got: dict, specs: dict, candidates: se
 
 
 def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
-    """Decide the placement of every node of `gm` for tensor parallelism of degree t."""
+    """Decide the placement of every node of `gm` for tensor parallelism of degree t; again, with the GEMMs of a
+    shared weight that was sharded unalike left replicated ([Note: shared weights] in shared_weights.py), until none
+    is."""
+    banned: dict[Node, str] = {}
+    while True:
+        analysis, use_specs = _analyze(gm, t, params, banned)
+        conflicts = shared_conflicts(params, use_specs)
+        if not conflicts:
+            return analysis
+        banned.update(conflicts)
+
+
+def _analyze(gm: GraphModule, t: int, params: set[Node], banned: dict[Node, str]
+             ) -> tuple[Analysis, dict[Node, Shard]]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     placements: dict[Node, Placement] = {}
     decisions: dict[Node, Decision] = {}
     param_specs: dict[Node, Shard] = {}
-    regions, frozen = [], {}
+    regions, frozen, use_specs = [], {}, {}
     activations = activations_of(gm)
     if t > 1:
-        groups, regions = _seed_groups(gm, params)
+        groups, regions = _seed_groups(gm, params, banned)
         candidates = {g for seeds in groups.values() for g in seeds}
         for x, seeds in groups.items():
             seeds = [s for s in seeds if s not in frozen]
@@ -512,7 +530,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             pending = list(seeds_to_try)
             while pending:
                 subset = pending.pop(0)
-                ctx = Ctx(dict(placements), t, params)
+                ctx = Ctx(dict(placements), t, params, banned)
                 try:
                     got, specs = _grow(list(subset), ctx, order, frozen, activations)
                     _check_widths(got, subset, x)
@@ -530,6 +548,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
                 placements.update(ctx.placements)
                 decisions.update(got)
                 param_specs.update(specs)
+                use_specs.update({g: weight_spec_of(g, specs) for g, d in got.items() if d.role in SHARDING_GEMM})
                 region.columns = [s.name for s in subset]
                 region.module = _common_module([n for n, d in got.items() if d.role])
                 region.rows = [n.name for n, d in got.items() if d.role is Role.ROW]
@@ -542,7 +561,7 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
             region.reason = first_error or ""
             regions.append(region)
         _compose_row_blocks(param_specs, decisions, placements, t)
-    return Analysis(t, placements, decisions, param_specs, regions, grad_nodes(gm, params))
+    return Analysis(t, placements, decisions, param_specs, regions, grad_nodes(gm, params)), use_specs
 
 
 def weight_specs(analysis: Analysis) -> dict[str, Shard]:

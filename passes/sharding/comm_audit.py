@@ -15,7 +15,9 @@ Glossary
                under "outside the layers".
 
 A layer above the bound is a documented choice, never a silent one: its note names every forward collective and the
-region (module) that closes with it, so the plan says which regions the layer was split into.
+region (module) that closes with it, so the plan says which regions the layer was split into. A layer the model
+applies k times (a looped block: torch.export marks the k-th call of a module `@k` on the node's module stack) is
+bounded by k times 2 + 2, and counted per application.
 """
 from __future__ import annotations
 
@@ -52,22 +54,26 @@ class LayerComm:
     forward: tuple[Collective, ...]
     backward: tuple[Collective, ...]
     small: tuple[Collective, ...]
+    calls: int = 1  # how many times the model applies the layer
 
     @property
     def above_bound(self) -> bool:
-        return self.layer != OUTSIDE and (len(self.forward) > BOUND or len(self.backward) > BOUND)
+        bound = BOUND * self.calls
+        return self.layer != OUTSIDE and (len(self.forward) > bound or len(self.backward) > bound)
 
     @property
     def note(self) -> str:
         """Why the layer costs more than Megatron's layout: the regions it was split into, by their collectives."""
         parts = []
-        if len(self.forward) > BOUND:
+        if len(self.forward) > BOUND * self.calls:
             parts.append(f"{len(self.forward)} regions, each closed by its own collective: "
                          + ", ".join(map(str, self.forward)))
-        if len(self.backward) > BOUND:
+        if len(self.backward) > BOUND * self.calls:
             parts.append(f"{len(self.backward)} in backward: " + ", ".join(map(str, self.backward))
                          + (" (a scatter: a replicated activation read inside a region, all-gathered in backward)"
                             if any(c.kind == "scatter" for c in self.backward) else ""))
+        if parts and self.calls > 1:
+            parts.insert(0, f"applied {self.calls} times")
         return "; ".join(parts)
 
 
@@ -103,7 +109,10 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
     layers, activations = find_layers(gm), activations_of(gm)
     entries = list(layers.sequence) or list(dict.fromkeys(layers.entry_of.values()))
     found: dict[str, list[Collective]] = {e: [] for e in entries}
+    calls: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
+        if (layer := layers.entry_of.get(n)) is not None:
+            calls.setdefault(layer, set()).update(_call(n, layer))
         kind = kind_of(n, activations) if comm_kind(n) else None
         if kind is None:
             continue
@@ -120,13 +129,22 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
     def of(cs, kinds, inside=True):
         return tuple(c for c in cs if (c.kind in kinds) == inside)
 
-    return tuple(LayerComm(layer, of(cs, _FORWARD), of(cs, _BACKWARD), of(cs, _FORWARD | _BACKWARD, inside=False))
+    return tuple(LayerComm(layer, of(cs, _FORWARD), of(cs, _BACKWARD), of(cs, _FORWARD | _BACKWARD, inside=False),
+                           max(1, len(calls.get(layer, ()))))
                  for layer, cs in found.items())
 
 
+def _call(n: Node, layer: str) -> list[str]:
+    """Which call of the module `layer` n belongs to: "" for the first, "1" for the next (torch.export's `@1`)."""
+    return [key.rpartition("@")[2] if "@" in key else ""
+            for key, (path, _) in (n.meta.get("nn_module_stack") or {}).items() if path == layer]
+
+
 def per_layer(comm: tuple[LayerComm, ...]) -> tuple[float, float]:
-    """Forward and backward activation collectives per layer, the mean over the layers (0, 0 with none)."""
+    """Forward and backward activation collectives per layer and application, the mean over the layers (0, 0 with
+    none)."""
     inside = [c for c in comm if c.layer != OUTSIDE]
     if not inside:
         return 0.0, 0.0
-    return (sum(len(c.forward) for c in inside) / len(inside), sum(len(c.backward) for c in inside) / len(inside))
+    return (sum(len(c.forward) / c.calls for c in inside) / len(inside),
+            sum(len(c.backward) / c.calls for c in inside) / len(inside))

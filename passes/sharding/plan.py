@@ -67,13 +67,14 @@ class Plan:
 
     def comm_table(self) -> str:
         """One row per run of consecutive layers with the same counts (`model.layers.0..11`)."""
-        rows = []
-        for (fwd, bwd, small, _, _), run in itertools.groupby(self.comm, key=lambda c: (
-                len(c.forward), len(c.backward), len(c.small), c.above_bound, c.layer == OUTSIDE)):
+        rows, looped = [], any(c.calls > 1 for c in self.comm)  # a layer applied k times: its bound is k(2 + 2)
+        for (fwd, bwd, small, _, _, calls), run in itertools.groupby(self.comm, key=lambda c: (
+                len(c.forward), len(c.backward), len(c.small), c.above_bound, c.layer == OUTSIDE, c.calls)):
             cs = list(run)
             span = cs[0].layer if len(cs) == 1 else f"{cs[0].layer}..{cs[-1].layer.rsplit('.', 1)[-1]}"
-            rows.append([span, fwd, bwd, small, cs[0].note])
-        return tabulate(rows, headers=["layers", "forward", "backward", "small", "above Megatron's 2 + 2 (why)"])
+            rows.append([span, fwd, bwd, small, *([calls] if looped else []), cs[0].note])
+        return tabulate(rows, headers=["layers", "forward", "backward", "small", *(["applied"] if looped else []),
+                                       "above Megatron's 2 + 2 (why)"])
 
     def stage_table(self) -> str:
         def span(layers):

@@ -58,7 +58,7 @@ FAMILIES = (  # (rule, ops it covers)
                      aten.full_like.default)),
     (stack, (aten.stack,)),
     (softmax, (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)),
-    (reduction, (aten.mean, aten.sum, aten.amax, aten.amin, aten.var)),
+    (reduction, (aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.linalg_vector_norm)),
     (along_dim, (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default, aten.topk.default,
                  aten.sort.default, aten.sort.stable, aten.cumsum.default)),
     (reshape_as, (aten.reshape_as.default,)),

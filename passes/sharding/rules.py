@@ -65,8 +65,9 @@ class Decision:
 class Ctx:
     """What rules may ask about the graph: global shapes, current placements, the tp degree."""
 
-    def __init__(self, placements: dict, t: int, params: set):
+    def __init__(self, placements: dict, t: int, params: set, refused: dict | None = None):
         self.placements, self.t, self.params = placements, t, params
+        self.refused = refused or {}  # GEMM -> why its weight may not be sharded ([Note: shared weights])
 
     def p(self, n) -> Placement:
         return self.placements.get(n, R) if isinstance(n, Node) else R
@@ -455,6 +456,21 @@ def other_use(param: Node, gemm: Node) -> Node | None:
     return next((u for u in param.users if u is not gemm and not _dtype_only(u, param)), None)
 
 
+def gemm_uses(param: Node) -> list[Node] | None:
+    """The GEMMs that read `param` as their weight, if that is its every use (a use for its dtype aside), else None.
+    A block applied twice (a looped layer) reads its weights in two GEMMs ([Note: shared weights] in analysis.py)."""
+    uses = []
+    for u in param.users:
+        if _dtype_only(u, param):
+            continue
+        w_idx = GEMM_WEIGHT_ARG.get(u.target, (None,))[0]
+        if w_idx is None or len(u.args) <= w_idx or u.args[w_idx] is not param \
+                or param in u.args[:w_idx] + u.args[w_idx + 1:]:
+            return None
+        uses.append(u)
+    return uses
+
+
 def gemm(node: Node, ctx: Ctx) -> Decision:
     w_idx, x_idx, w_in_dim = GEMM_WEIGHT_ARG[node.target]
     x, w = node.args[x_idx], node.args[w_idx]
@@ -465,7 +481,9 @@ def gemm(node: Node, ctx: Ctx) -> Decision:
                      f"({ctx.p(others[0])}); only a sharded input operand has a rule")
     if not isinstance(s, Shard):
         raise NoRule(f"{node.name}: input {getattr(x, 'name', x)} is {s}")
-    if w in ctx.params and other_use(w, node) is None and s.dim == nx - 1:
+    if w in ctx.params and gemm_uses(w) is not None and s.dim == nx - 1:
+        if node in ctx.refused:
+            raise NoRule(ctx.refused[node])
         need_divisible(s, ctx.t, node)
         return Decision(R, role=Role.ROW)  # g follows; the caller shards the weight on w_in_dim with s's layout
     if node.target in (GROUPED_LINEAR, GROUPED_MM) and s.dim != nx - 1:

@@ -16,6 +16,13 @@ sums and concatenations done by the collectives.
     close it, the vocab-parallel cross-entropy, logsumexp and gather (passes/sharding/loss_rules.py, vocab_kernels.py),
     which all-reduce per-token values only. If any path cannot be closed so (the logits are also an output, or an op has
     no rule), the head gathers its logits as before and the plan says why.
+
+[Note: an untied head alone]
+    The LM head is the GEMM whose rows match the table's; when none does (moshi's table has 65 rows, its vocabulary
+    and one more id, its head 64; a head over another vocabulary than the input's), it is a GEMM of its own weight
+    whose logits reach the output and that is at least as wide as its input. A table t does not divide stays
+    whole, but an untied head is still column-parallel over its rows when t divides them: a head is exact over any
+    rows it owns; only the lookup needs the table's rows split.
 """
 from __future__ import annotations
 
@@ -73,12 +80,16 @@ def _reaches_output(n: Node) -> bool:
 def _heads(gm, params, analysis: Analysis, vocab: int, weight: Node):
     """Linear GEMMs over the vocabulary that no region decided, whose input is replicated, whose own weight (an
     untied head's) has no other use ([Note: every use is proven] in analysis.py), and whose logits reach the output
-    (an untied head's: with its weight's rows V it could be any GEMM of H = V features)."""
+    (an untied head's: with its weight's rows V it could be any GEMM of H = V features). vocab None: the table
+    stays whole, and an untied head is one with at least as many rows as features, t dividing them."""
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.linear.default or n in analysis.decisions:
             continue
         w = n.args[1]
-        if w not in params or not (w is weight or tuple(w.meta["val"].shape)[0] == vocab):
+        rows, features = tuple(w.meta["val"].shape) if w in params else (0, 0)
+        if w not in params or not (w is weight or rows == vocab or (vocab is None and rows >= features)):
+            continue
+        if w is not weight and rows % analysis.t:
             continue
         if w is not weight and not _reaches_output(n):
             continue
@@ -103,9 +114,7 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
     table = max(embeddings, key=lambda n: n.args[0].meta["val"].shape[0]).args[0]
     vocab = table.meta["val"].shape[0]
     record = Region(module_path(next(iter(table.users))), [], kind="vocab")
-    heads = list(_heads(gm, params, analysis, vocab, table))
-    names = {h.name for h in heads}
-    analysis.regions[:] = [r for r in analysis.regions if r.columns or not names & set(r.replicated)]
+    heads = list(_heads(gm, params, analysis, vocab, table)) or list(_heads(gm, params, analysis, None, None))
     others = [u for u in table.users if not (u.target is aten.embedding.default and u.args[0] is table
                                               and _plain_lookup(u)) and u not in heads]
     if vocab % t or others:
@@ -115,15 +124,28 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
             if vocab % t else f"{table.name} is also read by {others[0].name} (module "
                               f"{module_path(others[0]) or '<root>'}), neither a plain embedding lookup nor the LM head"
         )
+        if not others:  # [Note: an untied head alone]
+            _shard_heads(gm, analysis, params, record, [h for h in heads if h.args[1] is not table])
         analysis.regions.append(record)
         return analysis
-    spec = plain_shard(0, vocab)
     for e in table.users:
         if e.target is aten.embedding.default:
             analysis.decisions[e] = Decision(Replicate(), role=Role.VOCAB_EMBEDDING)
             record.columns.append(e.name)
             record.modules[e.name] = module_path(e)
+    _shard_heads(gm, analysis, params, record, heads)
+    analysis.param_specs[table] = plain_shard(0, vocab)
+    analysis.regions.append(record)
+    return analysis
+
+
+def _shard_heads(gm, analysis: Analysis, params: set[Node], record: Region, heads: list[Node]) -> None:
+    """Each head column-parallel over its rows: its input through f, its logits kept sharded into the loss or
+    gathered. The analysis' refusal of each (its logits reach the output) gives way to this."""
+    names = {h.name for h in heads}
+    analysis.regions[:] = [r for r in analysis.regions if r.columns or not names & set(r.replicated)]
     for h in heads:
+        spec = plain_shard(0, h.args[1].meta["val"].shape[0])
         enter = {h.args[0]: None}
         analysis.param_specs[h.args[1]] = spec
         bias = h.args[2] if len(h.args) > 2 and isinstance(h.args[2], Node) else None
@@ -135,9 +157,6 @@ def vocab_analysis(gm, analysis: Analysis, params: set[Node]) -> Analysis:
         record.rows.append(h.name)
         record.modules[h.name] = module_path(h)
         _keep_sharded(gm, analysis, h, params, record)
-    analysis.param_specs[table] = spec
-    analysis.regions.append(record)
-    return analysis
 
 
 def _keep_sharded(gm, analysis: Analysis, head: Node, params: set[Node], record: Region) -> None:

@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.analysis import Analysis
 from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_ORIGIN, FXPAR_PLACEMENT, Comm
+from fxpar.passes.ir.op_families import MODE_CALLS
 from fxpar.passes.tensor_parallel.collectives import (CopyManyToTP, CopyToTP, GatherFromTP, GatherSequence,
                                                       GatherSequenceLinear, ReduceFromTP, ReduceScatterSequence,
                                                       ScatterToTP, TPComm, VocabParallelEmbedding,
@@ -86,14 +87,15 @@ class Inserter:
     [Note: reads after mutation] Export keeps a forward's in-place ops (`states[:, t] = h` is copy_ into a view), so
     a node's value is what its storage holds when a reader runs, not when it was made. A collective placed right after
     the producer would read the tensor before the later writes (zeros, for a buffer filled in a loop). Placed before
-    the reader, it reads what the reader would have read; a later reader reuses it unless an in-place op runs in
+    the reader, it reads what the reader would have read; a later reader reuses it unless an in-place op, or the
+    entry or exit of a grad-mode or autocast region (a scatter made under no_grad carries no gradient), runs in
     between (then it gets its own)."""
 
     def __init__(self, gm: GraphModule, analysis: Analysis, comm: TPComm):
         self.gm, self.analysis, self.comm, self.cache = gm, analysis, comm, {}
         self.index = {n: i for i, n in enumerate(gm.graph.nodes)}  # the analysed nodes, in order
-        self.writes = [i for n, i in self.index.items()
-                       if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
+        self.writes = [i for n, i in self.index.items() if n.op == "call_function" and (
+            n.target in MODE_CALLS or getattr(getattr(n.target, "_schema", None), "is_mutable", False))]
 
     def enter(self, inp: Node, how: Shard | None, user: Node, original: Node | None = None) -> Node:
         """`inp` entering a region at `user` (f, or scattered); `original` is the analysed node it replaced, if any."""

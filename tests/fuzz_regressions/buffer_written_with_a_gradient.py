@@ -4,7 +4,6 @@
 # attention's weights got a per-rank partial gradient. Fix: a storage written with a gradient-carrying value carries
 # gradient from then on (grad_nodes in passes/sharding/analysis.py).
 # t=2: forward gap 8.82e-17, parameters after SGD 0.0155
-import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

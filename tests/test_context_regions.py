@@ -1,4 +1,4 @@
-"""passes/frontend/autocast_regions.py: `with torch.autocast(...)` inside a forward (torch.export's
+"""passes/frontend/context_regions.py: `with torch.autocast(...)` inside a forward (torch.export's
 wrap_with_autocast) inlined between the context's enter and exit calls, so the attention around it shards; exact
 at t=2, nested regions too, and the traced program itself is left as it was."""
 import torch
@@ -8,11 +8,11 @@ from expecttest import TestCase
 
 from fxpar.api import build
 from fxpar.compiler import Target, compile_model
-from fxpar.passes.frontend.autocast_regions import WRAP, inline_autocast_pass
+from fxpar.passes.frontend.context_regions import WRAP, inline_context_pass
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.trace import trace
 from tests.golden import graph_text
-from tests.models import Stack, sgd_gaps
+from tests.models import Stack, gaps_and_share
 from tests.threaded import on_tp_ranks
 
 D, HEADS, SEQ = 32, 4, 8
@@ -61,7 +61,7 @@ def test_golden_a_region_inlined_between_enter_and_exit():
                 x = x.float().sin()
             return x * 2
 
-    gm = inline_autocast_pass(trace(Region(), (_x(),), {}).gm)
+    gm = inline_context_pass(trace(Region(), (_x(),), {}).gm)
     TestCase().assertExpectedInline(graph_text(gm, placements=False), """\
 _enter_autocast = _enter_autocast(cpu, torch.bfloat16, False, False)
 _assert_tensor_metadata_default = _assert_tensor_metadata.default(x)
@@ -89,11 +89,6 @@ def test_the_traced_program_keeps_its_regions():
 def test_exact_at_t2():
     torch.manual_seed(0)
     model, x = Stack(Rotary), _x()
-
-    def measure(pm, reference):
-        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
-        return (*sgd_gaps(pm, reference, (x,)), share)
-
-    for fwd, params, share in on_tp_ranks(model, (x,), measure):
+    for fwd, params, share in on_tp_ranks(model, (x,), gaps_and_share((x,))):
         assert fwd <= 1e-5 and params <= 1e-5, (fwd, params)
         assert share < 0.55, share
