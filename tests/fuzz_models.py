@@ -16,14 +16,15 @@ standalone file. The grammar covers the op families the rules cover and the haza
                  SDPA, attention dropout, a chunked scan's writes (pad, tril, copy_ into a zeros_like buffer), a
                  per-head projection, scores carried into the next layer
     norms        LayerNorm, RMSNorm written out, statistics (var, std, mean, norm) on activations
-    blocks       pre-norm, post-norm, parallel attention + MLP; a ModuleList of layers
+    blocks       pre-norm, post-norm, parallel attention + MLP; a ModuleList of layers, in one model of ten applied
+                 twice (each weight read by two GEMMs), the first time under no_grad in half of those
     hazards      a parameter read twice (regularizer), a weight shared by two GEMMs, a sharded value returned,
                  a mode-dependent branch, dropout, token embeddings tied or not, sizes t divides and not, a
                  second input that aliases the first at trace time (the same tensor, an overlapping view, by
                  keyword) and is distinct when called, or the reverse
 
-The hazards added after the first grammar draw from a second generator (`_hazards(seed)`), so the models of the
-seeds that came before keep their structure.
+The hazards added after the first grammar draw from a second generator (`_hazards(seed)`), and the looped blocks
+from a third, so the models of the seeds that came before keep their structure.
 """
 from __future__ import annotations
 
@@ -327,6 +328,8 @@ def generate(seed: int) -> str:
     c = _config(r)
     aliasing = hazards.random() < 0.25  # a second input, aliasing the first in the example or in the call
     layer = _Layer(r, c, hazards).build(c["carry"])
+    loops = random.Random(f"fxpar loops {seed}")  # its own stream: the models of other seeds stay as they were
+    c["loops"], c["no_grad"] = (2, loops.random() < 0.5) if loops.random() < 0.1 else (1, False)
     H, S, V = c["H"], c["S"], c["vocab"]
     lines = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", "",
              f"CONFIG = {c!r}", "", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
@@ -344,6 +347,9 @@ def generate(seed: int) -> str:
     lines += ["", forward, "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
               *(["        x = x + 0.5 * (self.wte(aux) if hasattr(self, 'wte') else aux)"] if aliasing else []),
               f"        prev = torch.zeros(x.shape[0], {c['heads']}, {S}, {S})", "        side = []",
+              *([f"        with torch.set_grad_enabled({not c['no_grad']}):",  # the same layers applied twice
+                 "            for layer in self.layers:", "                x, prev, s = layer(x, prev)"]
+                if c["loops"] > 1 else []),
               "        for layer in self.layers:", "            x, prev, s = layer(x, prev)",
               "            if s is not None:", "                side.append(s)"]
     if c["head"] or c["tied"]:

@@ -64,7 +64,21 @@ def architectures() -> dict[str, str]:
 
 
 def _shrink(config) -> None:
-    """Set every TINY field the config has (its attribute_map aliases included), in its sub-configs too."""
+    """Set every TINY field the config has (its attribute_map aliases included), in its sub-configs too; every other
+    vocabulary (`*vocab_size`) to VOCAB too, and every other embedding width (`*embedding_size`, `*embed_dim`) by
+    the factor the hidden size shrinks by, so the tiny model keeps the real one's proportions (a roformer whose
+    768-wide embeddings sit under a 32-wide model, or an extra 200k-row head, is no model anyone trains)."""
+    scale = TINY["hidden_size"] / getattr(config, "hidden_size", 0) if getattr(config, "hidden_size", 0) else None
+    for key, value in list(config.to_dict().items()):
+        if not isinstance(value, int) or isinstance(value, bool) or key in TINY:
+            continue
+        new = VOCAB if key.endswith("vocab_size") else (
+            max(8, round(value * scale / 8) * 8) if scale and key.endswith(("embedding_size", "embed_dim")) else None)
+        try:
+            if new is not None and new < value:
+                setattr(config, key, new)
+        except Exception:
+            pass
     for key, value in TINY.items():
         try:  # a read-only property, or a per-layer attribute (set through its layer list, or not at all)
             if hasattr(config, key) or key in getattr(config, "attribute_map", {}):

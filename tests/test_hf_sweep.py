@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_sweep import SHARDED, architectures, markdown, sweep_one
+from tests.hf_sweep import SHARDED, VOCAB, _shrink, architectures, markdown, sweep_one
 from tests.threaded import Threaded
 
 # architecture -> the largest local share accepted (Megatron's layout at t=2 holds about half)
@@ -14,6 +14,7 @@ SUBSET = {
     "falcon": 0.55,  # FalconLinear: x @ W.T; its fused multi-query QKV cut per part, the one K/V head whole
     "bitnet": 0.52,  # RMSNorms over the sharded intermediate and attention output: partial statistics
     "bart": 0.52,  # encoder-decoder; positional tables larger than the vocabulary
+    "dory": 0.55,  # its layers applied twice: each weight read by two GEMMs, sharded alike
 }
 
 
@@ -51,3 +52,16 @@ def test_the_readme_has_the_section_make_sweep_fills():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
     assert text.index(BEGIN) < text.index(END)
+
+
+def test_a_tiny_config_keeps_the_real_ones_proportions():
+    from transformers import AutoConfig
+
+    sizes = {}
+    for arch in ("roformer", "electra", "marian"):
+        config = AutoConfig.for_model(arch)
+        _shrink(config)
+        sizes[arch] = config
+    assert sizes["roformer"].embedding_size == sizes["roformer"].hidden_size == 32  # 768 of 768
+    assert sizes["electra"].embedding_size == 16  # 128 of 256: the projection into the model stays
+    assert sizes["marian"].decoder_vocab_size == VOCAB

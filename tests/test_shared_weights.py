@@ -123,3 +123,11 @@ sin_1 = sin.default(x)
 _set_grad_enabled_1 = _set_grad_enabled(is_grad_enabled)
 mul = mul.Tensor(x, sin_1)
 """)
+
+
+def test_pipeline_parallelism_refuses_a_looped_block_clearly():
+    from fxpar.passes.pipeline.partition import partition_pass
+
+    pm = build(_model(), TPComm(rank=0, size=1), (_x(),))
+    with pytest.raises(ValueError, match=r"second application of its layer .* Fix: pp=1"):
+        partition_pass(pm.graph_module, 2)

@@ -72,6 +72,13 @@ def _type_name(kind) -> str:
     return kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def calls_of(n: Node, path: str) -> list[str]:
+    """Which call of the module at `path` n belongs to: "" for the first, "1" for the next (torch.export marks a
+    module's k-th call `@k` on the node's module stack: a looped block)."""
+    return [key.rpartition("@")[2] if "@" in key else ""
+            for key, (p, _) in (n.meta.get("nn_module_stack") or {}).items() if p == path]
+
+
 def find_layers(graph_or_gm: Graph | GraphModule) -> Layers:
     """The blocks of a graph, its main block, and the layer of every node (see the module docstring)."""
     graph = getattr(graph_or_gm, "graph", graph_or_gm)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from fxpar.passes.frontend.layers import find_layers
+from fxpar.passes.frontend.layers import calls_of, find_layers
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_INPUT, FXPAR_PLACEMENT, GraphInput, copy_meta, input_of, param_nodes
 from fxpar.passes.ir.placements import Placement, Replicate
 from fxpar.passes.sharding.rules import GEMM_WEIGHT_ARG
@@ -189,6 +189,12 @@ def partition_pass(gm: GraphModule, k: int, chunk_layers: tuple | None = None) -
         raise ValueError("no repeated block (a ModuleList of layers) found in nn_module_stack: cannot cut into "
                          f"{k} pipeline chunks")
     entries, position = layers.sequence, layers.position_of
+    looped = next((n for n in position if any(calls_of(n, e) != [""] for e in entries if calls_of(n, e))), None)
+    if looped is not None:
+        raise ValueError(f"fxpar: pipeline parallelism cuts the layer list into chunks, but {looped.name} (module "
+                         f"{layers.entry_of.get(looped)}) runs in a second application of its layer (a looped block, "
+                         "each layer's weights read more than once): one layer would belong to two chunks. "
+                         "Fix: pp=1 (tensor and data parallelism shard a looped block)")
     costs = [0.0] * len(entries)
     pre = post = 0.0
     first = min(i for i, n in enumerate(gm.graph.nodes) if n in position)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.analysis import activations_of, upstream
-from fxpar.passes.frontend.layers import find_layers
+from fxpar.passes.frontend.layers import calls_of, find_layers
 from fxpar.passes.ir.meta import FXPAR_SCALE, Comm, comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
@@ -112,7 +112,7 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
     calls: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
         if (layer := layers.entry_of.get(n)) is not None:
-            calls.setdefault(layer, set()).update(_call(n, layer))
+            calls.setdefault(layer, set()).update(calls_of(n, layer))
         kind = kind_of(n, activations) if comm_kind(n) else None
         if kind is None:
             continue
@@ -133,11 +133,6 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
                            max(1, len(calls.get(layer, ()))))
                  for layer, cs in found.items())
 
-
-def _call(n: Node, layer: str) -> list[str]:
-    """Which call of the module `layer` n belongs to: "" for the first, "1" for the next (torch.export's `@1`)."""
-    return [key.rpartition("@")[2] if "@" in key else ""
-            for key, (path, _) in (n.meta.get("nn_module_stack") or {}).items() if path == layer]
 
 
 def per_layer(comm: tuple[LayerComm, ...]) -> tuple[float, float]:
