@@ -1,38 +1,94 @@
-"""Config(compile=True): each chunk's graph through torch.compile (inductor), exact against the unmodified model at
-t=2 over gloo, collectives included. The rank timeout bounds the compile time."""
+"""Config(compile=True): each chunk's graph through torch.compile (inductor), exact against the unmodified model
+over gloo, collectives included, and seen whole: dynamo traces f, g and the gathers as the c10d functional ops
+(their backward too), with no graph break, at t=2 (with sequence parallelism too) and at (p, t) = (2, 2). The rank timeout bounds the compile
+time."""
 import copy
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests import models
+from tests.harness import module_pool
 from tests.models import sgd_gaps
-from tests.threaded import Threaded, on_ranks
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+pool2 = module_pool(2, timeout_s=240.0)
+
+
+def _tensor_parallel_gaps(sequence_parallel: bool):
+    """t=2, compiled: forward and parameter gaps after SGD, this rank's share, what runs each chunk, and dynamo's
+    graph breaks and graphs in this process (one rank per process: dynamo is not shared between threads)."""
+    import fxpar
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, args, kwargs = models.build("gpt")
+    reference = copy.deepcopy(model)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
+                           config=fxpar.Config(compile=True, sequence_parallel=sequence_parallel))
+    compiled = [type(c).__name__ for c in pm.compiled.callables.values()]
+    share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+    return (*sgd_gaps(pm, reference, args, kwargs), share, compiled, _graph_breaks(),
+            counters["stats"]["unique_graphs"])
 
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_compiled_tensor_parallel_gpt_is_exact():
-    import fxpar
-    from fxpar.api import build
-    from fxpar.runtime.executable import tp_comm
-    from fxpar.trace import trace
-
-    model, args, kwargs = models.build("gpt")
-    traced = trace(model, args, kwargs)
-    copies = [copy.deepcopy(model) for _ in range(2)]
-
-    def rank(r):
-        reference = copy.deepcopy(copies[r])
-        mesh = fxpar.init_mesh(tp=2)
-        pm = build(copies[r], tp_comm(mesh), args, kwargs, mesh, traced=traced, config=fxpar.Config(compile=True))
-        compiled = [type(c).__name__ for c in pm.compiled.callables.values()]
-        share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
-        return (*sgd_gaps(pm, reference, args, kwargs), share, compiled)
-
-    with Threaded():
-        results = on_ranks(rank, 2, 300.0)
-    for got in results.values():
-        assert isinstance(got[0], float), got  # a rank that raised returns its traceback
-        fwd, params, share, compiled = got
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_compiled_tensor_parallel_gpt_is_exact_and_whole(pool2, sequence_parallel):
+    for fwd, params, share, compiled, breaks, graphs in pool2.run(_tensor_parallel_gaps, sequence_parallel):
         assert fwd <= 1e-5 and params <= 1e-5, (fwd, params)
         assert share < 0.6 and compiled == ["OptimizedModule"], (share, compiled)
+        # one graph, its collectives in it (f and g forward and backward, the vocabulary's all-reduces)
+        assert breaks == 0 and graphs == 1, (breaks, graphs)
+
+
+pool4 = module_pool(4, timeout_s=240.0)
+
+
+def _pipeline_gaps(steps: int = 2) -> tuple[float, float, int]:
+    """(p, t) = (2, 2), 1F1B over 4 microbatches, compiled: the largest loss and parameter differences from the
+    single-process model after `steps` SGD steps, and this rank's graph breaks."""
+    import fxpar
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, _, _ = models.build("gpt")
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (8, 8), generator=g)
+    target = torch.randint(0, 64, (8, 8), generator=g)
+
+    def loss_fn(logits, t):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
+
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=(ids[:2],), loss_fn=loss_fn,
+                           config=fxpar.Config(microbatches=4, schedule="1f1b", compile=True))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss_gap = 0.0
+    for _ in range(steps):
+        opt.zero_grad(), ref_opt.zero_grad()
+        loss = pm.step(ids, target=target)
+        ref_loss = loss_fn(reference(ids), target)
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
+    full, want = pm.full_state_dict(), reference.state_dict()
+    return loss_gap, max((full[k] - want[k]).abs().max().item() for k in want), _graph_breaks()
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_compiled_pipeline_of_tensor_parallel_stages_is_exact_and_whole(pool4):
+    for loss_gap, param_gap, breaks in pool4.run(_pipeline_gaps):
+        assert loss_gap <= 1e-5 and param_gap <= 1e-5, (loss_gap, param_gap)
+        assert breaks == 0, breaks

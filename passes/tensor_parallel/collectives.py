@@ -19,6 +19,14 @@ on the wire are those of tensor parallelism.
     seq_reduce_scatter  reduce-scatter along the sequence forward, all-gather backward   (g, leaving a region)
     seq_gather_linear   seq_gather and the GEMMs that read it, as one op that saves this rank's block for backward
                         and gathers it again there, not the whole sequence (Korthikanti et al. 2022, Sec. 4.2.2)
+[Note: collectives in a compiled graph]
+    Under Config(compile=True) dynamo traces each chunk whole: the autograd Functions above, forward and backward,
+    with their collectives as the c10d functional ops (`_c10d_functional.all_reduce`, `all_gather_into_tensor`,
+    `reduce_scatter_tensor`, each with its wait), which inductor schedules like any op. dynamo rewrites
+    `dist.all_reduce` into its functional form itself; the list forms of all-gather and reduce-scatter it cannot,
+    so while compiling they are spelled with torch.distributed._functional_collectives. Nothing else may stop the
+    trace: no branch on a tensor's value (the vocabulary's id check asserts asynchronously instead) and no in-place
+    all-reduce (`mark_dirty`). tests/test_compile.py counts the graph breaks: 0.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -56,6 +65,8 @@ class TPComm:
         if self.simulated or _shape_only(x):
             return [x] * self.size
         x = x.contiguous()
+        if torch.compiler.is_compiling():  # [Note: collectives in a compiled graph]
+            return list(funcol.all_gather_tensor(x.unsqueeze(0), 0, self.group).unbind(0))
         out = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(out, x, group=self.group)
         return out
@@ -71,6 +82,8 @@ class TPComm:
         blocks = [local_shard(x, spec, r, self.size) for r in range(self.size)]
         if self.simulated or _shape_only(x):
             return blocks[self.rank]
+        if torch.compiler.is_compiling():
+            return funcol.reduce_scatter_tensor(torch.stack(blocks), "sum", 0, self.group)[0]
         out = torch.empty_like(blocks[self.rank])
         dist.reduce_scatter(out, blocks, group=self.group)
         return out
@@ -95,7 +108,8 @@ class _F(torch.autograd.Function):
 class _G(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, in_place=False):
-        if in_place and x.is_contiguous() and not x._is_view():  # a view: a hook's wrapper (CommDebugMode's)
+        if in_place and not torch.compiler.is_compiling() and x.is_contiguous() and not x._is_view():
+            # a view: a hook's wrapper (CommDebugMode's); compiled, inductor reuses buffers itself
             ctx.mark_dirty(x)  # the output is x itself, reduced: later in-place ops on it are ordinary ones
             return comm.all_reduce(x)
         return comm.all_reduce(x.clone())
@@ -307,7 +321,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:
     if _shape_only(ids):
         return
     bad = (ids < 0) | (ids >= vocab)
-    if ids.device.type != "cpu":
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no branch on data in a compiled graph
         torch._assert_async(~bad.any(), f"fxpar: a {what} is outside the vocabulary [0, {vocab})")
     elif bad.any():
         raise IndexError(f"fxpar: {what} {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "
