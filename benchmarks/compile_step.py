@@ -17,6 +17,7 @@ ratio to fxpar eager.
 Run (2 ranks over gloo, 1 thread each):
     .venv/bin/python benchmarks/compile_step.py
     .venv/bin/python benchmarks/compile_step.py --layers 4 --hidden 256 --seq 256 --rounds 10
+    .venv/bin/python benchmarks/compile_step.py --pp     # fxpar at p=2 (1F1B, m=4), the rest as above
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def _error(model, ref_loss, ref_grads, ids, full_grads=None) -> float:
     return max(abs(loss.item() - ref_loss), gap)
 
 
-def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -> dict:
+def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, pp: bool = False,
+             microbatches: int = 4) -> dict:
     import fxpar
 
     torch.manual_seed(0)
@@ -72,30 +74,62 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -
     ref_loss = _loss(ref(ids), ids)
     ref_loss.backward()
     ref_grads = _grads(ref)
-    mesh = fxpar.init_mesh(tp=dist.get_world_size())
+    mesh = fxpar.init_mesh(**{"pp" if pp else "tp": dist.get_world_size()})
     from torch._dynamo.utils import counters
 
     models, compile_s, breaks = {}, {}, {}
     for name in VARIANTS:
         counters.clear()
         start = time.perf_counter()
-        if name.startswith("fxpar"):
+        if name.startswith("fxpar") and pp:  # 1F1B over `microbatches`, the loss in the last chunk
+            config = fxpar.Config(compile=name == "fxpar compile", microbatches=microbatches, schedule="1f1b")
+            models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids[:batch // microbatches],),
+                                             loss_fn=_pp_loss, config=config)
+        elif name.startswith("fxpar"):
             config = fxpar.Config(compile=name == "fxpar compile")
             models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids,), config=config)
         else:
             models[name] = copy.deepcopy(model)
             if name == "torch.compile":
                 models[name] = torch.compile(models[name])
-        full = _full_grads(models[name]) if name.startswith("fxpar") else None
-        error = _error(models[name], ref_loss.item(), ref_grads, ids, full)
+        if name.startswith("fxpar") and pp:
+            error = _pp_error(models[name], ref_loss.item(), ref_grads, ids)
+        else:
+            full = _full_grads(models[name]) if name.startswith("fxpar") else None
+            error = _error(models[name], ref_loss.item(), ref_grads, ids, full)
         compile_s[name] = time.perf_counter() - start
         breaks[name] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
         if error > TOL:
             raise AssertionError(f"{name}: not exact, gap {error:.2e} > {TOL}")
-    timed = common.time_rounds({n: _step(m, ids) for n, m in models.items()}, rounds, steps, warmup, barrier=True,
+    steppers = {n: (_pp_step(m, ids) if pp and n.startswith("fxpar") else _step(m, ids)) for n, m in models.items()}
+    timed = common.time_rounds(steppers, rounds, steps, warmup, barrier=True,
                                reduce=dist.ReduceOp.MAX)
     return {"times": timed["times"], "compile_s": compile_s, "breaks": breaks,
-            "config": dict(vars(cfg)) | {"batch": batch, "t": dist.get_world_size(), "rounds": rounds}}
+            "config": dict(vars(cfg)) | {"batch": batch, "rounds": rounds,
+                                         ("p" if pp else "t"): dist.get_world_size()}}
+
+
+def _pp_loss(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _pp_error(pm, ref_loss: float, ref_grads: dict, ids) -> float:
+    """|loss gap| and the largest gradient gap of this pipeline rank's parameters, one pm.step on the whole batch."""
+    pm.zero_grad(set_to_none=True)
+    loss = pm.step(ids, target=torch.roll(ids, -1, dims=1))
+    gap = max((p.grad - ref_grads[k]).abs().max().item() for k, p in pm.named_parameters())
+    return max(abs(loss.item() - ref_loss), gap)
+
+
+def _pp_step(pm, ids):
+    opt, target = torch.optim.SGD(pm.parameters(), lr=1e-3), torch.roll(ids, -1, dims=1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        pm.step(ids, target=target)
+        opt.step()
+
+    return step
 
 
 def _full_grads(pm):
@@ -130,16 +164,22 @@ def format_table(result: dict) -> str:
     for name in VARIANTS:
         ratio, q1, q3 = common.paired_ratio(result["times"], name, "fxpar eager")
         breaks, graphs = result["breaks"][name]
-        rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}",
+        eager = {"fxpar compile": "fxpar eager", "torch.compile": "torch eager"}.get(name)
+        own = "-"
+        if eager:  # the compiled step against its own eager step, paired per round
+            r, a, b = common.paired_ratio(result["times"], name, eager)
+            own = f"{r:.3f} ({a:.3f}-{b:.3f})"
+        rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}", own,
                      result["compile_s"][name], f"{breaks} / {graphs}" if "compile" in name else "-"])
     c = result["config"]
+    where = f"t={c['t']}" if "t" in c else f"p={c['p']} (1F1B, m=4)"
     head = (f"train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} batch={c['batch']} "
-            f"vocab={c['vocab']}; fxpar at t={c['t']}, torch on each rank's own process; gloo, 1 thread/rank; "
+            f"vocab={c['vocab']}; fxpar at {where}, torch on each rank's own process; gloo, 1 thread/rank; "
             f"{c['rounds']} interleaved rounds; ratio: median per-round ratio to fxpar eager; first call s: build, "
             "compile and the first step; graph breaks / graphs: dynamo's, on this rank")
-    return head + "\n" + tabulate(rows, headers=["variant", "median ms", "vs fxpar eager", "(IQR)", "first call s",
-                                                "graph breaks / graphs"],
-                                  floatfmt=(None, ".1f", ".3f", None, ".1f", None))
+    return head + "\n" + tabulate(rows, headers=["variant", "median ms", "vs fxpar eager", "(IQR)",
+                                                "vs its eager (IQR)", "first call s", "graph breaks / graphs"],
+                                  floatfmt=(None, ".1f", ".3f", None, None, ".1f", None))
 
 
 def _parse(argv):
@@ -156,6 +196,7 @@ def _parse(argv):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one)")
+    p.add_argument("--pp", action="store_true", help="fxpar at p=nproc (1F1B over 4 microbatches), not t=nproc")
     return p.parse_args(argv)
 
 
@@ -163,7 +204,7 @@ def _run(args) -> dict:
     if not args.warm_cache:  # a cold inductor cache per rank: `first call s` includes the whole compile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpar-inductor-")
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
-    return run_rank(cfg, args.batch, args.rounds, args.steps, args.warmup)
+    return run_rank(cfg, args.batch, args.rounds, args.steps, args.warmup, pp=args.pp)
 
 
 def main(argv=None) -> dict:
