@@ -26,8 +26,8 @@ fuzz: $(STAMP)  # the differential fuzzer's long mode: N generated models on 2 c
 sweep: $(STAMP)  # every Hugging Face causal LM at t=2 from a tiny config: the table in README.md and sweep.md
 	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json --readme README.md
 
-bench: $(STAMP)
-	$(PY) benchmarks/tp_step.py
+bench: $(STAMP)  # the benchmark matrix against the peers: the table and plot in benchmarks/README.md
+	$(PY) benchmarks/matrix.py --readme benchmarks/README.md --plot benchmarks/matrix.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -117,3 +117,18 @@ def test_checkpoint_io_runs(capsys):
     out = capsys.readouterr().out
     assert "save MiB/s/rank" in out and "fxpar t=2" in out and "torch DCP" in out and "t=2:" in out
     assert result["bytes"]["fxpar t=2"] > 0 and set(result["meta"]["by_t"]) == {1, 2}
+
+
+def test_matrix_table_readme_and_plot_from_samples(tmp_path):
+    from benchmarks import matrix
+
+    result = {"times": {"fxpar": [1.0, 2.0, 3.0], "hand-written": [1.0, 2.5, 2.0], "DTensor": [2.0, 4.0, 6.0]}}
+    rows = matrix.rows_of("GPT, t=2", result, matrix._TP_PEERS)
+    assert [r[:4] for r in rows] == [["GPT, t=2", "fxpar", "hand-written", 1.0], ["GPT, t=2", "fxpar", "DTensor", 0.5]]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# B\n{matrix.BEGIN}\nold\n{matrix.END}\nafter\n")
+    matrix.fill_readme(str(readme), matrix.markdown(rows, "note"))
+    text = readme.read_text()
+    assert "| GPT, t=2 | fxpar | DTensor | 0.500 |" in text and "old" not in text and text.endswith("after\n")
+    matrix.plot(rows, str(tmp_path / "m.png"))
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
