@@ -500,6 +500,8 @@ def analyze(gm: GraphModule, t: int, params: set[Node]) -> Analysis:
         conflicts = shared_conflicts(params, use_specs)
         if not conflicts:
             return analysis
+        if conflicts.keys() <= banned.keys():  # banned GEMMs are never column- or row-parallel: cannot happen
+            raise RuntimeError(f"fxpar: shared weights still conflict with their GEMMs replicated: {conflicts}")
         banned.update(conflicts)
 
 
