@@ -35,6 +35,7 @@ from fxpar.passes.frontend.context_regions import inline_context_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
+from fxpar.passes.joint.export import DEFAULT_OVERLAP, JointProgram, check_joint
 from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
                                                        place_meta_state_pass)
 from fxpar.passes.pipeline.lower import Program, lower_program
@@ -274,6 +275,11 @@ def _prove(c: Compiled) -> SimResult | None:
 
 
 def _compile(c: Compiled) -> dict[int, Callable]:
+    if c.config.joint_graph:  # traced at the first call of each input signature (passes/joint/export.py)
+        for chunk in c.partition.chunks:
+            check_joint(chunk.gm)
+        overlap = DEFAULT_OVERLAP if c.config.overlap is None else c.config.overlap
+        return {chunk.index: JointProgram(chunk.gm, c.config.compile, overlap) for chunk in c.partition.chunks}
     return {chunk.index: compile_graph(chunk.gm) if c.config.compile else chunk.gm for chunk in c.partition.chunks}
 
 
@@ -325,7 +331,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags
     ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/pipeline/proofs.py)
-    ("compile", "callables", _compile),  # torch.compile each chunk (Config.compile), else the chunk graphs
+    ("compile", "callables", _compile),  # joint programs (Config.joint_graph); torch.compile (Config.compile)
     ("expected_state", "expected_state", _expected_state),  # each chunk's weights as traced (the executable checks)
 )
 

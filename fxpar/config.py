@@ -7,6 +7,7 @@ import torch
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.bubble import SCHEDULES, check_schedule
+from fxpar.passes.joint.export import PROGRAM_PASSES
 from fxpar.runtime.precision import MixedPrecision
 
 
@@ -24,6 +25,11 @@ class Config:
     sequence_parallel: bool = False
     recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
     compile: bool = False  # torch.compile each chunk
+    # each chunk runs as its joint forward+backward program, every collective a graph node (passes/joint/)
+    joint_graph: bool = False
+    # with joint_graph: the overlap passes run on each program, by name (passes/joint/export.py PROGRAM_PASSES);
+    # None: DEFAULT_OVERLAP (both), () for none
+    overlap: tuple[str, ...] | None = None
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
     dump_dir: str | None = None  # write each graph stage's graph, and its diff, here (fxpar/compiler.py)
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
@@ -50,6 +56,16 @@ class Config:
             raise ValueError(f"Config.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if not isinstance(self.joint_graph, bool):
+            raise ValueError(f"Config.joint_graph must be True or False, got {self.joint_graph!r}")
+        object.__setattr__(self, "overlap", tuple(self.overlap) if isinstance(self.overlap, (list, tuple)) else
+                           self.overlap)
+        known = [name for name, _ in PROGRAM_PASSES]
+        if self.overlap is not None and (not isinstance(self.overlap, tuple) or not set(self.overlap) <= set(known)):
+            raise ValueError(f"Config.overlap must be None or a tuple of pass names from {known}, got "
+                             f"{self.overlap!r}")
+        if self.overlap and not self.joint_graph:
+            raise ValueError(f"Config.overlap={self.overlap} reorders the joint programs: it needs joint_graph=True")
         if self.bucket_mb <= 0:
             raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

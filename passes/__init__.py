@@ -13,6 +13,7 @@ One subpackage per part of the pipeline, in the order data flows (each __init__ 
     tensor_parallel/  the rewrite: f/g and the other collectives, merged and in place, random streams, local shapes
     fusion/           fused kernels (attention -> SDPA, bias+dropout+add, bias+GeLU) and activation recomputation
     pipeline/         p*v chunks, schedules as data, lowering to the runtime's program, replay, proofs
+    joint/            each chunk's forward+backward as one graph, every collective a node; the collectives it runs
 
 fxpar/compiler.py runs them, one pass per stage, in order, as its STAGES.
 """

@@ -147,6 +147,26 @@ def sgd_gaps(pm, reference, args, kwargs=None, lr: float = 0.5) -> tuple[float, 
     return fwd, max((full[k].double() - want[k].double()).abs().max().item() for k in want)
 
 
+def step_gaps(pm, reference, x, target, loss_fn, steps: int = 2, lr: float = 0.5, around=None):
+    """Train `steps` SGD steps of pm.step(x, target=target) beside the single-process reference on the whole batch:
+    (the largest loss difference, the largest parameter difference after the last step). around(step): a context
+    manager each pm.step runs inside (to count what it does), or None."""
+    import contextlib
+
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=lr), torch.optim.SGD(reference.parameters(), lr=lr)
+    loss_gap = 0.0
+    for step in range(steps):
+        opt.zero_grad(), ref_opt.zero_grad()
+        with around(step) if around else contextlib.nullcontext():
+            loss = pm.step(x, target=target)
+        ref_loss = loss_fn(reference(x), target)
+        ref_loss.backward()
+        opt.step(), ref_opt.step()
+        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
+    full, want = pm.full_state_dict(), reference.state_dict()
+    return loss_gap, max((full[k].double() - want[k].double()).abs().max().item() for k in want)
+
+
 def gaps_and_share(args, kwargs=None):
     """A per-rank measure for on_tp_ranks: (forward gap, parameter gap after SGD, the rank's local share of the
     parameters)."""

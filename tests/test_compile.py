@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tests import models
 from tests.harness import module_pool
-from tests.models import sgd_gaps
+from tests.models import sgd_gaps, step_gaps
 
 
 def _graph_breaks() -> int:
@@ -73,17 +73,7 @@ def _pipeline_gaps(steps: int = 2) -> tuple[float, float, int]:
 
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=(ids[:2],), loss_fn=loss_fn,
                            config=fxpar.Config(microbatches=4, schedule="1f1b", compile=True))
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
-    loss_gap = 0.0
-    for _ in range(steps):
-        opt.zero_grad(), ref_opt.zero_grad()
-        loss = pm.step(ids, target=target)
-        ref_loss = loss_fn(reference(ids), target)
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
-    full, want = pm.full_state_dict(), reference.state_dict()
-    return loss_gap, max((full[k] - want[k]).abs().max().item() for k in want), _graph_breaks()
+    return (*step_gaps(pm, reference, ids, target, loss_fn, steps), _graph_breaks())
 
 
 @pytest.mark.gloo

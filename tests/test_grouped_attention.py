@@ -15,7 +15,7 @@ from fxpar.api import build
 from fxpar.passes.sharding.comm_audit import per_layer
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from tests.harness import module_pool
-from tests.models import Stack, sgd_gaps
+from tests.models import Stack, sgd_gaps, step_gaps
 from tests.threaded import on_tp_ranks
 
 D, SEQ = 32, 8
@@ -137,17 +137,7 @@ def _pipeline_gaps(kind: str, steps: int = 3) -> tuple[float, float]:
     x, target = torch.randn(8, SEQ, D, generator=g), torch.randn(8, SEQ, D, generator=g)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=(x[:2],), loss_fn=F.mse_loss,
                            config=fxpar.Config(microbatches=4, schedule="1f1b"))
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
-    loss_gap = 0.0
-    for _ in range(steps):
-        opt.zero_grad(), ref_opt.zero_grad()
-        loss = pm.step(x, target=target)
-        ref_loss = F.mse_loss(reference(x), target)
-        ref_loss.backward()
-        opt.step(), ref_opt.step()
-        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
-    full, want = pm.full_state_dict(), reference.state_dict()
-    return loss_gap, max((full[k] - want[k]).abs().max().item() for k in want)
+    return step_gaps(pm, reference, x, target, F.mse_loss, steps)
 
 
 @pytest.mark.parametrize("kind", ["fused_per_group", "repeat_interleave"])

@@ -18,6 +18,7 @@ from torch.library import custom_op
 
 from tests import models
 from tests.harness import module_pool
+from tests.models import step_gaps
 from tests.soundness_models import BUILDERS, Branchy, CausalBuffer, tiny_lm
 
 pool2 = module_pool(2)
@@ -92,18 +93,8 @@ def _pipeline_exact(name: str, scatter_gather: bool):
     target = torch.randn(*x.shape[:-1], out_dim(model, args), generator=torch.Generator().manual_seed(4))
     config = fxpar.Config(microbatches=4, scatter_gather=scatter_gather)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=args, loss_fn=loss_fn, config=config)
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
-    worst = 0.0
-    for _ in range(3):
-        opt.zero_grad(), ref_opt.zero_grad()
-        loss = pm.step(x, target=target)
-        ref = loss_fn(reference(x), target)
-        ref.backward()
-        opt.step(), ref_opt.step()
-        worst = max(worst, abs(loss.item() - ref.item()))
-    full, want = pm.full_state_dict(), reference.state_dict()
     crossing = [str(b) for c in pm.partition.chunks for b in c.boundary_out]
-    return worst, max((full[k] - want[k]).abs().max().item() for k in want), crossing
+    return (*step_gaps(pm, reference, x, target, loss_fn, steps=3), crossing)
 
 
 def out_dim(model, args) -> int:

@@ -19,6 +19,9 @@ from fxpar.compiler import Compiled, canonical_keys
 from fxpar.guard import preserve_global_state
 from fxpar.runtime.optim import MainParamsOptimizer, trainable
 from fxpar.passes.ir.meta import resolve_inputs
+from fxpar.cost.cluster import get_cluster
+from fxpar.passes.joint.comm_table import program_comm
+from fxpar.passes.joint.export import JointProgram
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.ir.placements import local_shard, unshard
 from fxpar.passes.sharding.plan import Plan, WeightShard, make_plan
@@ -37,6 +40,9 @@ def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
             mod.add_module(p, nn.Module())
         mod = mod._modules[p]
     return mod, leaf
+
+
+ESTIMATE_ON = "h100"  # the cluster whose rates the plan estimates each layer's exposed communication with
 
 
 class ParallelModule(nn.Module):
@@ -134,8 +140,12 @@ class ParallelModule(nn.Module):
     def make_plan(self, program: Compiled) -> Plan:
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
         partition = program.partition if program.target.pipelined else None
+        joint = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
+                 if isinstance(program.callables[c.index], JointProgram)]
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
-                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()))
+                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()),
+                         program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON)) if joint else (),
+                         ESTIMATE_ON)
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""

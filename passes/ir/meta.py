@@ -40,6 +40,7 @@ FXPAR_RECOMPUTE = "fxpar_recompute"
 FXPAR_RANDOM = "fxpar_random"
 FXPAR_ASSUMES = "fxpar_assumes"
 FXPAR_SCALE = "fxpar_scale"
+FXPAR_NODE = "fxpar_node"  # meta["custom"] key of a joint program's node: the chunk graph's node it was traced from
 
 class Comm(str, Enum):
     """The collectives the tensor-parallel pass inserts (their modules: passes/tensor_parallel/rewrite.py COMM_MODULES),

@@ -21,7 +21,11 @@ bounded by k times 2 + 2, and counted per application.
 """
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from dataclasses import dataclass
+
+from tabulate import tabulate
 
 from torch.fx import GraphModule, Node
 
@@ -31,6 +35,7 @@ from fxpar.passes.ir.meta import FXPAR_SCALE, Comm, comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
 OUTSIDE = "outside the layers"
+FORWARD, BACKWARD = "forward", "backward"  # the halves of a joint program
 _FORWARD = frozenset(c for c in Comm if c.info.moves == "forward")  # g, all-gather
 _BACKWARD = frozenset(c for c in Comm if c.info.moves == "backward")  # f, scatter
 _SMALL_F = {"f weight", "f stat", "f scale"}  # an f that kind_of finds moves a weight's or a statistic's gradient
@@ -134,7 +139,6 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
                  for layer, cs in found.items())
 
 
-
 def per_layer(comm: tuple[LayerComm, ...]) -> tuple[float, float]:
     """Forward and backward activation collectives per layer and application, the mean over the layers (0, 0 with
     none)."""
@@ -143,3 +147,32 @@ def per_layer(comm: tuple[LayerComm, ...]) -> tuple[float, float]:
         return 0.0, 0.0
     return (sum(len(c.forward) / c.calls for c in inside) / len(inside),
             sum(len(c.backward) / c.calls for c in inside) / len(inside))
+
+
+@dataclass(frozen=True)
+class ProgramComm:
+    """One layer's collectives in the joint programs that run it (passes/joint/comm_table.py)."""
+
+    layer: str
+    forward: tuple[str, ...]  # the functional collectives of the forward program, by op ("all_reduce"), in order
+    backward: tuple[str, ...]
+    comm_s: float = 0.0  # their time, estimated from a cluster's link rates (0: not estimated)
+    exposed_s: float = 0.0  # what of it no compute hides (between each collective's start and its wait)
+
+    @staticmethod
+    def cell(ops: tuple[str, ...]) -> str:
+        return ", ".join(f"{n} {op}" for op, n in Counter(ops).items()) or "-"
+
+
+def program_table(rows: tuple[ProgramComm, ...], cluster: str = "") -> str:
+    """One row per run of consecutive layers with the same collectives (`model.layers.0..11`); with the name of the
+    cluster the times were estimated for, each layer's communication and what stays exposed, in microseconds."""
+    out = []
+    for key, run in itertools.groupby(rows, key=lambda r: (ProgramComm.cell(r.forward), ProgramComm.cell(r.backward),
+                                                           r.layer == OUTSIDE, round(r.comm_s * 1e6, 1),
+                                                           round(r.exposed_s * 1e6, 1))):
+        rs = list(run)
+        span = rs[0].layer if len(rs) == 1 else f"{rs[0].layer}..{rs[-1].layer.rsplit('.', 1)[-1]}"
+        out.append([span, key[0], key[1], *([key[3], key[4]] if cluster else [])])
+    times = [f"comm us ({cluster})", "exposed us"] if cluster else []
+    return tabulate(out, headers=["layers", "forward program", "backward program", *times])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from fxpar.passes.sharding.analysis import Analysis, Region
-from fxpar.passes.sharding.comm_audit import OUTSIDE, LayerComm, audit
+from fxpar.passes.sharding.comm_audit import OUTSIDE, LayerComm, ProgramComm, audit, program_table
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Plan:
     logits: str = ""  # what becomes of the LM head's logits: gathered (why), or kept sharded into the loss ops
     comm: tuple[LayerComm, ...] = ()  # each layer's collectives against Megatron's 2 + 2 (passes/sharding/comm_audit.py)
     sequence: tuple[str, ...] = ()  # what sequence parallelism did, and where it gathered why (SequenceAnalysis.lines)
+    # each layer's collectives read from the joint programs (Config.joint_graph; passes/joint/comm_table.py)
+    program_comm: tuple[ProgramComm, ...] = ()
+    comm_cluster: str = ""  # the cluster whose rates program_comm's times are estimated with
 
     def __post_init__(self):
         if self.tp < 1:
@@ -92,17 +95,21 @@ class Plan:
         text += "\n\n" + "\n".join(self.sequence) if self.sequence else ""
         text += f"\n\nactivation all-reduces per layer\n{self.comm_table()}" if any(
             c.forward or c.backward or c.small for c in self.comm) else ""
+        text += ("\n\ncollectives per layer in the joint programs (outside them: pipeline sends, dp buckets)\n"
+                 + program_table(self.program_comm, self.comm_cluster)) if self.program_comm else ""
         return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
 
 def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "",
-              tp_graph=None, sequence: tuple[str, ...] = ()) -> Plan:
+              tp_graph=None, sequence: tuple[str, ...] = (), program_comm: tuple[ProgramComm, ...] = (),
+              comm_cluster: str = "") -> Plan:
     """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
     not traced with the model (fxpar/trace.py); tp_graph (the graph after tensor parallelism) adds each layer's
-    collectives."""
+    collectives; program_comm, those the joint programs run (passes/joint/comm_table.py)."""
     stages = () if partition is None else tuple(
         (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
     logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
     logits = "; ".join(x for x in (logits, loss_note) if x)
     comm = audit(tp_graph) if tp_graph is not None and analysis.t > 1 else ()
-    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm, tuple(sequence))
+    return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm, tuple(sequence),
+                tuple(program_comm), comm_cluster)

@@ -20,22 +20,24 @@ on the wire are those of tensor parallelism.
     seq_gather_linear   seq_gather and the GEMMs that read it, as one op that saves this rank's block for backward
                         and gathers it again there, not the whole sequence (Korthikanti et al. 2022, Sec. 4.2.2)
 [Note: collectives in a compiled graph]
-    Under Config(compile=True) dynamo traces each chunk whole: the autograd Functions above, forward and backward,
-    with their collectives as the c10d functional ops (`_c10d_functional.all_reduce`, `all_gather_into_tensor`,
-    `reduce_scatter_tensor`, each with its wait), which inductor schedules like any op. dynamo rewrites
-    `dist.all_reduce` into its functional form itself; the list forms of all-gather and reduce-scatter it cannot,
-    so while compiling they are spelled with torch.distributed._functional_collectives. Nothing else may stop the
-    trace: no branch on a tensor's value (the vocabulary's id check asserts asynchronously instead) and no in-place
+    Under Config(compile=True) dynamo traces each chunk whole, and under Config(joint_graph=True) AOT autograd traces
+    its forward and backward into one graph (passes/joint/export.py): the autograd Functions above, forward and
+    backward. While either traces (`in_graph()`), every collective is called as the c10d functional op itself
+    (`_c10d_functional.all_reduce`, `all_gather_into_tensor`, `reduce_scatter_tensor`, each with its
+    `wait_tensor`), named by the group's name, so it is a node of the graph that passes and inductor can count and
+    move; a simulated rank's graph names SIMULATED_GROUP, which never runs. Nothing else may stop the trace: no
+    branch on a tensor's value (the vocabulary's id check asserts asynchronously instead) and no in-place
     all-reduce (`mark_dirty`). tests/test_compile.py counts the graph breaks: 0.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -54,19 +56,30 @@ class TPComm:
     def simulated(self) -> bool:
         return self.group is None and self.size > 1
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.simulated or _shape_only(x):
+    def __post_init__(self):
+        # what a functional collective names: a simulated rank's graph names a group that never runs
+        self.group_name = SIMULATED_GROUP if self.group is None else self.group.group_name
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if in_graph():  # [Note: collectives in a compiled graph]
+            return _wait(_c10d.all_reduce(x.contiguous(), op, self.group_name))
+        if self.simulated or _shape_only(x):
             return x
         x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, op=_OPS[op], group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [x]
+        if in_graph():
+            return list(_wait(_c10d.all_gather_into_tensor(x.contiguous().unsqueeze(0), self.size, self.group_name))
+                        .unbind(0))
         if self.simulated or _shape_only(x):
             return [x] * self.size
         x = x.contiguous()
-        if torch.compiler.is_compiling():  # [Note: collectives in a compiled graph]
-            return list(funcol.all_gather_tensor(x.unsqueeze(0), 0, self.group).unbind(0))
         out = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(out, x, group=self.group)
         return out
@@ -80,13 +93,36 @@ class TPComm:
         if self.size == 1:
             return x
         blocks = [local_shard(x, spec, r, self.size) for r in range(self.size)]
+        if in_graph():
+            return _wait(_c10d.reduce_scatter_tensor(torch.stack(blocks), "sum", self.size, self.group_name))[0]
         if self.simulated or _shape_only(x):
             return blocks[self.rank]
-        if torch.compiler.is_compiling():
-            return funcol.reduce_scatter_tensor(torch.stack(blocks), "sum", 0, self.group)[0]
         out = torch.empty_like(blocks[self.rank])
         dist.reduce_scatter(out, blocks, group=self.group)
         return out
+
+
+_c10d = torch.ops._c10d_functional
+_wait = _c10d.wait_tensor
+SIMULATED_GROUP = "fxpar-simulated-tp"  # a group name for a simulated rank's graph: traced, never run
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_JOINT = contextvars.ContextVar("fxpar_joint_trace", default=False)
+
+
+@contextlib.contextmanager
+def functional_collectives():
+    """While the joint graph is traced (passes/joint/export.py): every collective is a c10d functional op, a node
+    of the traced graph, on fake tensors too."""
+    token = _JOINT.set(True)
+    try:
+        yield
+    finally:
+        _JOINT.reset(token)
+
+
+def in_graph() -> bool:
+    """The collectives are being traced into a graph (dynamo's or the joint graph's), not run."""
+    return torch.compiler.is_compiling() or _JOINT.get()  # dynamo cannot trace ContextVar.get: ask it first
 
 
 def _shape_only(x: torch.Tensor) -> bool:
@@ -102,17 +138,17 @@ class _F(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad if ctx.in_place else grad.clone()), None, None
+        return ctx.comm.all_reduce(grad if ctx.in_place or in_graph() else grad.clone()), None, None
 
 
 class _G(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, in_place=False):
-        if in_place and not torch.compiler.is_compiling() and x.is_contiguous() and not x._is_view():
+        if in_place and not in_graph() and x.is_contiguous() and not x._is_view():
             # a view: a hook's wrapper (CommDebugMode's); compiled, inductor reuses buffers itself
             ctx.mark_dirty(x)  # the output is x itself, reduced: later in-place ops on it are ordinary ones
             return comm.all_reduce(x)
-        return comm.all_reduce(x.clone())
+        return comm.all_reduce(x if in_graph() else x.clone())  # a functional all-reduce copies itself
 
     @staticmethod
     def backward(ctx, grad):
@@ -318,10 +354,10 @@ class VocabParallelEmbeddingSequence(VocabParallelEmbedding):
 def _check_ids(ids: torch.Tensor, vocab: int, what: str = "token id") -> None:
     """Raise as aten.embedding (or the loss) does for an id outside [0, vocab): each rank would see it as another
     rank's row and the all-reduce would silently return zeros. On an accelerator the check is asynchronous."""
-    if _shape_only(ids):
+    if _shape_only(ids) and not in_graph():
         return
     bad = (ids < 0) | (ids >= vocab)
-    if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no branch on data in a compiled graph
+    if ids.device.type != "cpu" or in_graph():  # no branch on data in a compiled graph
         torch._assert_async(~bad.any(), f"fxpar: a {what} is outside the vocabulary [0, {vocab})")
     elif bad.any():
         raise IndexError(f"fxpar: {what} {int(ids[bad][0])} is out of range for the vocabulary of {vocab} "

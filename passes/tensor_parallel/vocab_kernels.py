@@ -16,19 +16,10 @@ another rank's class). On fake or meta tensors they compute shapes only (passes/
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fxpar.passes.tensor_parallel.collectives import TPComm, _check_ids, _shape_only, _TPModule
+from fxpar.passes.tensor_parallel.collectives import TPComm, _check_ids, _TPModule
 
 _MEAN, _SUM, _NONE = 1, 2, 0  # ATen's reduction enum (at::Reduction)
-
-
-def _all_reduce(x: torch.Tensor, comm: TPComm, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if comm.size == 1 or comm.simulated or _shape_only(x):
-        return x
-    x = x.contiguous()
-    dist.all_reduce(x, op=op, group=comm.group)
-    return x
 
 
 def _block(comm: TPComm, x: torch.Tensor, index: torch.Tensor):
@@ -45,7 +36,7 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def _global_max(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return _all_reduce(x.amax(-1), comm, dist.ReduceOp.MAX)
+    return comm.all_reduce(x.amax(-1), "max")
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -61,7 +52,7 @@ class _CrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
         stats = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
-        sum_exp, picked, sum_shifted = _all_reduce(stats, comm).unbind(0)
+        sum_exp, picked, sum_shifted = comm.all_reduce(stats).unbind(0)
         lse = sum_exp.log()
         loss = (lse - picked) * (1.0 - smoothing) + (lse - sum_shifted / vocab) * smoothing
         loss = loss.masked_fill(ignored, 0.0)
@@ -106,7 +97,7 @@ class _Logsumexp(torch.autograd.Function):
         xf = _wide(x)
         top = _global_max(xf, comm).unsqueeze(-1)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # all -inf: log(0) = -inf, as torch gives
-        out = _all_reduce((xf - top).exp().sum(-1), comm).log() + top.squeeze(-1)
+        out = comm.all_reduce((xf - top).exp().sum(-1)).log() + top.squeeze(-1)
         ctx.save_for_backward(x, out)
         return out.to(x.dtype)
 
@@ -132,7 +123,7 @@ class _Gather(torch.autograd.Function):
         picked = x.gather(-1, local).masked_fill(~inside, 0)
         ctx.save_for_backward(local, inside)
         ctx.shape = x.shape
-        return _all_reduce(picked, comm)
+        return comm.all_reduce(picked)
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,0 +1,103 @@
+"""Benchmark: the joint programs (Config(joint_graph=True)) and each overlap pass on them, one t=2 train step of the
+example GPT over gloo.
+
+    fxpar eager        fxpar.parallelize at t=2, the default Config (f and g as autograd functions)
+    joint              Config(joint_graph=True): each chunk as its joint forward+backward program
+    joint early        ... with the early_collectives pass (each collective issued as soon as its input exists)
+    joint late         ... with the late_waits pass (each wait right before its first reader)
+    joint early+late   ... with both
+
+A step is forward, cross-entropy, backward and an SGD step. Every variant's loss and gradients are first checked
+against the unmodified model (within 1e-5); then the variants run interleaved for R rounds (common.time_rounds) and
+the table shows the median step time and the median per-round ratio to `joint` (the same program, not reordered).
+
+Run (2 ranks over gloo, 1 thread each):
+    .venv/bin/python benchmarks/overlap.py
+    .venv/bin/python benchmarks/overlap.py --layers 4 --hidden 512 --seq 256 --rounds 15
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+
+if __package__:
+    from benchmarks import common
+    from benchmarks.compile_step import TOL, _error, _full_grads, _grads, _loss, _step
+else:
+    import common
+    from compile_step import TOL, _error, _full_grads, _grads, _loss, _step
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+VARIANTS = {
+    "fxpar eager": {},
+    "joint": {"joint_graph": True, "overlap": ()},
+    "joint early": {"joint_graph": True, "overlap": ("early_collectives",)},
+    "joint late": {"joint_graph": True, "overlap": ("late_waits",)},
+    "joint early+late": {"joint_graph": True},  # the default: both passes
+}
+
+
+def run_rank(args) -> dict:
+    import fxpar
+
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    ids = torch.randint(0, cfg.vocab, (args.batch, cfg.seq))
+    ref = copy.deepcopy(model)
+    ref_loss = _loss(ref(ids), ids)
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+    mesh = fxpar.init_mesh(tp=dist.get_world_size())
+    models = {}
+    for name, config in VARIANTS.items():
+        models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids,),
+                                         config=fxpar.Config(**config))
+        error = _error(models[name], ref_loss.item(), ref_grads, ids, _full_grads(models[name]))
+        if error > TOL:
+            raise AssertionError(f"{name}: not exact, gap {error:.2e} > {TOL}")
+    timed = common.time_rounds({n: _step(m, ids) for n, m in models.items()}, args.rounds, args.steps, args.warmup,
+                               barrier=True, reduce=dist.ReduceOp.MAX)
+    return {"times": timed["times"], "cpu": timed["cpu"],
+            "config": dict(vars(cfg)) | {"batch": args.batch, "rounds": args.rounds, "t": dist.get_world_size()}}
+
+
+def format_table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for name in VARIANTS:
+        ratio, q1, q3 = common.paired_ratio(result["times"], name, "joint")
+        cpu, _, _ = common.paired_ratio(result["cpu"], name, "joint")
+        rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}", cpu])
+    c = result["config"]
+    head = (f"train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} batch={c['batch']} "
+            f"vocab={c['vocab']}; t={c['t']} over gloo, 1 thread/rank; {c['rounds']} interleaved rounds; ratio: "
+            "median per-round ratio to `joint` (wall; CPU: process time)")
+    return head + "\n" + tabulate(rows, headers=["variant", "median ms", "vs joint", "(IQR)", "CPU vs joint"],
+                                  floatfmt=(None, ".1f", ".3f", None, ".3f"))
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    common.launch_and_print(run_rank, _parse(), format_table)

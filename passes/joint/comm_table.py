@@ -1,0 +1,54 @@
+"""Each layer's collectives, read from the joint programs: the functional collectives of the forward and backward
+programs that torch's partitioner cut from each joint graph (what runs, and what the dispatcher sees), attributed to
+the layer of the fxpar collective each was traced from (passes/joint/export.py tags them; passes/sharding/comm_audit.py
+says which layer an fxpar collective belongs to).
+
+This is what the program does, op by op: under tensor parallelism a layer's row reads `2 all_reduce` forward and
+`2 all_reduce` backward (Megatron's f and g); under sequence parallelism, forward `2 all_gather, 2 reduce_scatter`,
+backward the same plus the re-gather of each block the all-gathering GEMMs saved (Korthikanti et al. 2022).
+What the runtime does outside the programs is not here: pipeline sends and receives, and the data-parallel gradient
+buckets (fxpar/runtime/interpreter.py).
+"""
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from fxpar.passes.ir.meta import FXPAR_NODE
+from fxpar.passes.ir.op_families import collective_op
+from fxpar.passes.joint.export import Traced
+from fxpar.passes.joint.overlap import exposed_seconds, overlaps
+from fxpar.passes.sharding.comm_audit import BACKWARD, FORWARD, OUTSIDE, ProgramComm, audit
+
+
+def collectives(program: GraphModule) -> list[tuple[str, str]]:
+    """(op, fxpar node) of every functional collective of a program, in program order: op as "all_reduce", and the
+    name of the chunk graph's node it was traced from."""
+    return [(op, n.meta.get("custom", {}).get(FXPAR_NODE, "")) for n in program.graph.nodes
+            if (op := collective_op(n)) is not None]
+
+
+def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=None) -> tuple[ProgramComm, ...]:
+    """Per layer, the collectives of the forward and backward programs of (chunk graph, joint program) pairs, in
+    chunk order; those outside every layer (the vocabulary's) last, as OUTSIDE. With a cluster (fxpar.cost's), each
+    row also estimates the layer's communication time over t ranks and what of it the compute between each
+    collective's start and wait hides (passes/joint/overlap.py)."""
+    found: dict[str, dict] = {}
+
+    def row(layer):
+        return found.setdefault(layer, {FORWARD: [], BACKWARD: [], "comm": 0.0, "exposed": 0.0})
+
+    for chunk_gm, traced in chunks:
+        layer_of = {c.node: lc.layer for lc in audit(chunk_gm) for c in (*lc.forward, *lc.backward, *lc.small)}
+        for layer in layer_of.values():
+            row(layer)
+        for half, program in ((FORWARD, traced.forward), (BACKWARD, traced.backward)):
+            for o in overlaps(program):
+                r = row(layer_of.get(o.node, OUTSIDE))
+                r[half].append(o.op)
+                if cluster is not None:
+                    comm, hidden = exposed_seconds(o, t, cluster)
+                    r["comm"] += comm
+                    r["exposed"] += max(0.0, comm - hidden)
+    order = [layer for layer in found if layer != OUTSIDE] + ([OUTSIDE] if OUTSIDE in found else [])
+    return tuple(ProgramComm(layer, tuple(found[layer][FORWARD]), tuple(found[layer][BACKWARD]),
+                             found[layer]["comm"], found[layer]["exposed"]) for layer in order)

@@ -1,0 +1,177 @@
+"""A chunk's forward and backward as one FX graph: the joint program, every collective a node.
+
+AOT autograd's joint export (torch._functorch.aot_autograd.aot_export_joint_with_descriptors) traces the chunk's
+graph and its backward together, on fake tensors, while every collective fxpar placed is spelled as a c10d
+functional op (`functional_collectives()` in passes/tensor_parallel/collectives.py): f's all-reduce and the scatter's
+all-gather in backward become nodes of the graph like g's in forward. Torch's partitioner then splits the joint graph
+into the forward and backward programs that run, eagerly or through inductor (Config.compile).
+
+[Note: one program per input signature]
+    The joint graph is specialized to which inputs need a gradient (a frozen weight, a received activation) and to
+    the inputs' shapes and dtypes: the gradients it computes are those inputs'. A JointProgram therefore keeps one
+    program per signature and traces a new one the first time a call brings another, so a weight frozen after
+    parallelize still gets no gradient and a received activation still gets one. The plan reads the program of the
+    last call (before any call: that of every weight and received activation needing a gradient).
+
+Every node of the chunk's graph is tagged (meta["custom"][FXPAR_NODE]) before the export; torch copies the tag onto
+the joint nodes traced from it, backward ones included (by autograd's sequence numbers), which is how
+passes/joint/comm_table.py knows which of fxpar's collectives each functional collective implements.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule
+from torch._functorch.aot_autograd import (aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors,
+                                           boxed_nop_preserve_node_meta)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
+from fxpar.passes.joint.overlap import early_collectives, late_waits
+from fxpar.passes.joint.reinplace import in_place_collectives
+from fxpar.passes.tensor_parallel.collectives import functional_collectives
+
+
+# the passes on each program the partitioner cuts (forward and backward), in order (Config.overlap names them)
+PROGRAM_PASSES = (
+    ("early_collectives", early_collectives),  # the compute feeding the next collective first, then the collective
+    ("late_waits", late_waits),  # each wait right before its first reader
+)
+# on by default with the joint graph: together they pay on gloo, each alone does not (benchmarks/overlap.py)
+DEFAULT_OVERLAP = ("early_collectives", "late_waits")
+
+
+@dataclass
+class Traced:
+    """One signature's joint program: the joint graph, the forward and backward graphs torch's partitioner cut from
+    it (the programs that run: passes/joint/comm_table.py reads them), and what runs them."""
+
+    joint: GraphModule
+    forward: GraphModule
+    backward: GraphModule
+    run: Callable
+
+
+@dataclass
+class JointProgram:
+    """Runs a chunk graph as its joint forward+backward program; called like the chunk graph itself.
+
+    compile: the forward and backward programs through inductor (Config.compile), else run as traced."""
+
+    gm: GraphModule
+    compile: bool = False
+    passes: tuple[str, ...] = ()  # PROGRAM_PASSES, by name, run in their order on each program
+    by_signature: dict = field(default_factory=dict)
+    last: tuple | None = None
+
+    def __call__(self, *inputs):
+        key = _signature(inputs)
+        traced = self.by_signature.get(key)
+        if traced is None:
+            traced = self.by_signature[key] = self._export(inputs)
+        self.last = key
+        return traced.run(*inputs)
+
+    @property
+    def traced(self) -> Traced:
+        """The joint program of the last call's signature; before any call, that of the expected one."""
+        if self.last is None:
+            self.last = self._expected()
+        return self.by_signature[self.last]
+
+    def _expected(self) -> tuple:
+        """The signature of a training call: every weight and every received floating activation needs a gradient
+        (the runtime's received values: fxpar/runtime/interpreter.py)."""
+        mode = FakeTensorMode()
+        with mode:
+            inputs = [_like(n.meta["val"], _needs_grad(n)) if isinstance(n.meta["val"], torch.Tensor) else n.meta["val"]
+                      for n in self.gm.graph.find_nodes(op="placeholder")]
+        key = _signature(inputs)
+        if key not in self.by_signature:
+            self.by_signature[key] = self._export(inputs, mode)
+        return key
+
+    def _export(self, inputs, mode: FakeTensorMode | None = None) -> Traced:
+        for n in self.gm.graph.nodes:
+            n.meta["custom"] = {**n.meta.get("custom", {}), FXPAR_NODE: n.name}
+        mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = tuple(mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) and
+                      not _is_fake_of(x, mode) else x for x in inputs)
+        graphs = {}
+
+        def keeping(half: str, compiler):  # the programs the partitioner cut, after the passes, to the compiler
+            def compile_half(gm, example_inputs):
+                # the partitioner leaves forward GEMMs it copied into backward for nothing: 2 per layer
+                if gm.graph.eliminate_dead_code():
+                    gm.recompile()
+                if not self.compile:  # inductor reinplaces on its own
+                    in_place_collectives(gm)
+                for name, program_pass in PROGRAM_PASSES:
+                    if name in self.passes:
+                        gm = program_pass(gm)
+                graphs[half] = gm
+                return compiler(gm, example_inputs)
+            return compile_half
+
+        compiler = _inductor() if self.compile else boxed_nop_preserve_node_meta
+        with contextlib.ExitStack() as stack:
+            with mode, functional_collectives():
+                jd = aot_export_joint_with_descriptors(stack, self.gm, fakes,
+                                                       decompositions=_decompositions(self.compile))
+            run = aot_compile_joint_with_descriptors(jd, fw_compiler=keeping("forward", compiler),
+                                                     bw_compiler=keeping("backward", compiler))
+        return Traced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
+
+
+def check_joint(gm: GraphModule) -> None:
+    """Raise where a chunk cannot run as a joint program yet: a random op on one of fxpar's streams (dropout with
+    p > 0 in training) switches the generator in Python at run time ([Note: random streams] in
+    passes/tensor_parallel/rng.py), which a traced program would do only once, while tracing: every mask would
+    then come from the default generator, the same on no two tp ranks where it must be."""
+    for n in gm.graph.nodes:
+        if FXPAR_RANDOM in n.meta:
+            raise ValueError(
+                f"fxpar: Config(joint_graph=True) cannot run random ops on fxpar's random streams yet: node {n.name} "
+                f"({module_path(n) or 'the root module'}, on the {n.meta[FXPAR_RANDOM]} stream) draws a dropout "
+                "mask in training. Fix: train this model with joint_graph=False, or with dropout p=0 (in eval mode "
+                "dropout is removed and joint_graph works).")
+
+
+def _signature(inputs) -> tuple:
+    return tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else None
+                 for x in inputs)
+
+
+def _needs_grad(placeholder) -> bool:
+    value = placeholder.meta["val"]
+    return input_of(placeholder).kind in (PARAMETER, BOUNDARY) and value.is_floating_point()
+
+
+def _like(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                               device=value.device).requires_grad_(requires_grad)
+
+
+def _is_fake_of(x: torch.Tensor, mode: FakeTensorMode) -> bool:
+    return getattr(x, "fake_mode", None) is mode
+
+
+def _decompositions(compile: bool) -> dict | None:
+    """Inductor lowers the ops its own decomposition table leaves (compile); run as traced, the ops stay whole."""
+    if not compile:
+        return None
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _inductor():
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner
+
+
+_EMPTY = GraphModule(torch.nn.Module(), torch.fx.Graph())  # the backward of a program nothing differentiates

@@ -1,0 +1,151 @@
+"""Config(joint_graph=True): each chunk runs as its joint forward+backward program (passes/joint/), every collective
+a node of it. Over gloo, against the unmodified model: exact to 1e-5 at t=2 (with sequence parallelism too),
+(p, t) = (2, 2) and (d, t) = (2, 2); and each layer's collectives, read from the programs (pm.plan.program_comm),
+are what the dispatcher sees run: the same functional collectives, forward and backward, step for step. Each rank
+runs in a process of its own (AOT autograd's tracing state is not shared between threaded ranks)."""
+import contextlib
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests import models
+from tests.harness import module_pool
+from tests.models import sgd_gaps, step_gaps
+
+pool2 = module_pool(2, timeout_s=240.0)
+pool4 = module_pool(4, timeout_s=240.0)
+
+
+class _Seen(TorchDispatchMode):
+    """What the dispatcher runs: every c10d functional collective (the programs' collectives, in place or not), by
+    op, "all_reduce" (the waits left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
+            self.ops[func._opname.removesuffix("_").removesuffix("_into_tensor").removesuffix("_tensor")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _from_plan(rows, chunks_run: int = 1) -> tuple[Counter, Counter]:
+    fwd, bwd = Counter(), Counter()
+    for r in rows:
+        fwd.update(r.forward), bwd.update(r.backward)
+    return fwd, bwd
+
+
+def _tensor_parallel(sequence_parallel: bool):
+    """t=2: forward and parameter gaps after SGD, the plan's per-layer rows, and the functional collectives the
+    dispatcher saw in one forward and one backward."""
+    import fxpar
+
+    model, args, kwargs = models.build("gpt")
+    reference = copy.deepcopy(model)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
+                           config=fxpar.Config(joint_graph=True, sequence_parallel=sequence_parallel))
+    pm(*args, **kwargs)  # the first call traces its program
+    with _Seen() as fwd:
+        out = pm(*args, **kwargs)
+    with _Seen() as bwd:
+        out.sum().backward()
+    pm.zero_grad(set_to_none=True)
+    rows = pm.plan.program_comm
+    return (*sgd_gaps(pm, reference, args, kwargs), [(r.layer, r.forward, r.backward) for r in rows], rows,
+            fwd.ops, bwd.ops)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_joint_program_is_exact_and_counts_what_runs(pool2, sequence_parallel):
+    for fwd_gap, param_gap, layers, rows, fwd, bwd in pool2.run(_tensor_parallel, sequence_parallel):
+        assert fwd_gap <= 1e-5 and param_gap <= 1e-5, (fwd_gap, param_gap)
+        inside = {(f, b) for layer, f, b in layers if layer.startswith("h.")}
+        assert [layer for layer, _, _ in layers] == ["h.0", "h.1", "outside the layers"]
+        if sequence_parallel:  # f, g: all-gather, reduce-scatter; backward re-gathers the two saved blocks
+            assert [(Counter(f), Counter(b)) for f, b in inside] == [
+                (Counter(all_gather=2, reduce_scatter=2), Counter(all_gather=4, reduce_scatter=2, all_reduce=1))]
+        else:  # Megatron's g twice forward, f twice backward
+            assert inside == {(("all_reduce",) * 2, ("all_reduce",) * 2)}
+        assert _from_plan(rows) == (fwd, bwd), (_from_plan(rows), fwd, bwd)
+
+
+def _loss_fn(logits, t):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
+
+
+def _trained(mesh: dict, config: dict, steps: int = 2):
+    """`steps` SGD steps of pm.step against the single-process model: the largest loss and parameter gaps, the
+    functional collectives the dispatcher saw in the last step (steps >= 2), and those the plan's rows give for
+    this rank's chunks and microbatches."""
+    import fxpar
+    from fxpar.passes.joint.comm_table import program_comm
+
+    model, _, _ = models.build("gpt")
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    ids, target = torch.randint(0, 64, (8, 8), generator=g), torch.randint(0, 64, (8, 8), generator=g)
+    m = config.get("microbatches", 1)
+    dp = mesh.get("dp", 1)
+    rows = 8 // m // dp
+    pm = fxpar.parallelize(model, fxpar.init_mesh(**mesh), example_args=(ids[:rows],), loss_fn=_loss_fn,
+                           example_target=target[:rows], config=fxpar.Config(joint_graph=True, **config))
+    seen = _Seen()
+    gaps = step_gaps(pm, reference, ids, target, _loss_fn, steps,  # the first step traces its programs
+                     around=lambda step: seen if step == steps - 1 else contextlib.nullcontext())
+    program = pm.compiled  # traced with the loss (example_target): the program step() runs
+    runs = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
+            if c.index % pm.groups.pp == pm.groups.pp_rank]
+    fwd, bwd = _from_plan(program_comm(runs))
+    planned = Counter({op: n * m for op, n in (fwd + bwd).items()})
+    return (*gaps, seen.ops, planned)
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, config", [
+    ({"tp": 2, "pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
+    ({"tp": 2, "dp": 2}, {}),
+], ids=["p2t2", "d2t2"])
+def test_joint_programs_train_exactly_and_count_what_runs(pool4, mesh, config):
+    for loss_gap, param_gap, seen, planned in pool4.run(_trained, mesh, config):
+        assert loss_gap <= 1e-5 and param_gap <= 1e-5, (loss_gap, param_gap)
+        assert seen == planned and planned["all_reduce"] > 0, (seen, planned)
+
+
+def _variant(name: str):
+    """t=2 variants of the joint programs: compiled with inductor and both overlap passes, selective recompute, a
+    weight frozen after parallelize (its own program: no gradient), and eval under no_grad."""
+    import fxpar
+
+    model, args, kwargs = models.build("gpt")
+    config = {"compiled": {"compile": True, "overlap": ("early_collectives", "late_waits")},
+              "selective": {"recompute": "selective"}, "frozen": {}, "no_grad": {}}[name]
+    reference = copy.deepcopy(model)
+    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
+                           config=fxpar.Config(joint_graph=True, **config))
+    if name == "no_grad":
+        pm.eval(), reference.eval()
+        with torch.no_grad():
+            return (pm(*args, **kwargs) - reference(*args, **kwargs)).abs().max().item(), 0.0, 0
+    if name == "frozen":  # the plan traces the signature of a training call first
+        assert pm.plan.program_comm and len(pm.compiled.callables[0].by_signature) == 1
+        dict(pm.named_parameters())["h.0.mlp.c_fc.weight"].requires_grad_(False)
+        reference.h[0].mlp.c_fc.weight.requires_grad_(False)
+    gaps = sgd_gaps(pm, reference, args, kwargs)
+    return (*gaps, len(pm.compiled.callables[0].by_signature))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", ["compiled", "selective", "frozen", "no_grad"])
+def test_joint_program_variants_are_exact(pool2, name):
+    for fwd_gap, param_gap, programs in pool2.run(_variant, name):
+        assert fwd_gap <= 1e-5 and param_gap <= 1e-5, (fwd_gap, param_gap)
+        if name == "frozen":  # traced again for the new signature
+            assert programs == 2, programs
