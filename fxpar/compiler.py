@@ -227,7 +227,8 @@ def _gelu(c: Compiled) -> GraphModule:
     """GeLU written out -> aten.gelu; with Config(recompute="selective") bias+GeLU recomputed in backward."""
     if not c.config.fuse:
         return c.gm
-    return bias_gelu_pass(c.gm) if c.config.recompute == "selective" else gelu_pass(c.gm)
+    recompute = c.config.recompute == "selective" and not c.config.joint_graph  # joint: the recompute tags it
+    return bias_gelu_pass(c.gm) if recompute else gelu_pass(c.gm)
 
 
 def _assumed(c: Compiled) -> dict[GraphInput, torch.Tensor]:
@@ -245,7 +246,8 @@ def _random_streams(c: Compiled) -> GraphModule:
 
 
 def _recompute(c: Compiled) -> GraphModule:
-    return recompute_pass(c.gm, c.config.recompute)
+    # the joint program's partitioner recomputes tagged regions ([Note: recomputation in the joint program])
+    return recompute_pass(c.gm, c.config.recompute, tag=c.config.joint_graph)
 
 
 def _in_place(c: Compiled) -> GraphModule:
@@ -279,7 +281,9 @@ def _compile(c: Compiled) -> dict[int, Callable]:
         for chunk in c.partition.chunks:
             check_joint(chunk.gm)
         overlap = DEFAULT_OVERLAP if c.config.overlap is None else c.config.overlap
-        return {chunk.index: JointProgram(chunk.gm, c.config.compile, overlap) for chunk in c.partition.chunks}
+        min_cut = c.config.recompute != "none"
+        return {chunk.index: JointProgram(chunk.gm, c.config.compile, overlap, min_cut)
+                for chunk in c.partition.chunks}
     return {chunk.index: compile_graph(chunk.gm) if c.config.compile else chunk.gm for chunk in c.partition.chunks}
 
 

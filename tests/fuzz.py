@@ -15,6 +15,7 @@ Each model runs on 2 tensor-parallel ranks, threads of one process on torch's th
 
     python -m tests.fuzz --count 5000 [--start 0] [--out fuzz-failures]   (`make fuzz N=...`)
     python -m tests.fuzz --count 1000 --sequence-parallel                  (every build with sequence parallelism)
+    python -m tests.fuzz --count 1000 --joint-graph                        (every chunk as its joint program)
 
 prints the counts and writes each failing model as a standalone file (the model's source plus a driver that
 reruns the check) into --out.
@@ -41,7 +42,7 @@ from tests.fuzz_models import generate, load  # noqa: E402
 from tests.threaded import RankHang, Threaded, on_ranks  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-OPTIONS: dict = {}  # more fxpar.Config fields for every build (--sequence-parallel)
+OPTIONS: dict = {}  # more fxpar.Config fields for every build (--sequence-parallel, --joint-graph)
 BAD = ("mismatch", "crash", "hang", "invalid")
 
 
@@ -275,6 +276,7 @@ def fuzz_jobs(start: int, count: int, jobs: int, out_dir: str | None = None) -> 
             cmd = [sys.executable, "-m", "tests.fuzz", "--start", str(bounds[j]), "--count",
                    str(bounds[j + 1] - bounds[j]), "--json", os.path.join(tmp, f"{j}.json"), "--quiet"]
             cmd += ["--sequence-parallel"] if OPTIONS.get("sequence_parallel") else []
+            cmd += ["--joint-graph"] if OPTIONS.get("joint_graph") else []
             if out_dir:
                 cmd += ["--out", out_dir]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}))
@@ -330,9 +332,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the summary here")
     p.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
     p.add_argument("--sequence-parallel", action="store_true", help="build every model with Config(sequence_parallel)")
+    p.add_argument("--joint-graph", action="store_true", help="build every model with Config(joint_graph)")
     args = p.parse_args(argv)
     if args.sequence_parallel:
         OPTIONS["sequence_parallel"] = True
+    if args.joint_graph:
+        OPTIONS["joint_graph"] = True
     start = time.perf_counter()
     summary = fuzz_jobs(args.start, args.count, args.jobs, args.out)
     if args.json:

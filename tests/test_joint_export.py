@@ -37,10 +37,10 @@ class TestJointExport(expecttest.TestCase):
     def test_the_table_is_read_from_the_programs(self):
         gm, traced = _program("gpt")
         self.assertExpectedInline(program_table(program_comm([(gm, traced)])), """\
-layers              forward program             backward program
-------------------  --------------------------  ------------------
-h.0..1              2 all_reduce                2 all_reduce
-outside the layers  1 all_reduce, 1 all_gather  1 all_reduce""")
+layers              forward program             backward program      GEMMs overlapped
+------------------  --------------------------  ------------------  ------------------
+h.0..1              2 all_reduce                2 all_reduce                         4
+outside the layers  1 all_reduce, 1 all_gather  1 all_reduce                         1""")
 
     def test_sequence_parallel_programs(self):
         gm, traced = _program("gpt", sequence_parallel=True)

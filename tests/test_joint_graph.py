@@ -149,3 +149,42 @@ def test_joint_program_variants_are_exact(pool2, name):
         assert fwd_gap <= 1e-5 and param_gap <= 1e-5, (fwd_gap, param_gap)
         if name == "frozen":  # traced again for the new signature
             assert programs == 2, programs
+
+
+def _saved(recompute: str):
+    """The activation bytes one training forward saves for backward, eager and as the joint program, with
+    `recompute`; the bytes of the generator states the joint program saves as tensors (torch.utils.checkpoint keeps
+    its own outside autograd, where the hooks do not see them); and both gaps after SGD."""
+    import fxpar
+    from fxpar.runtime.measure import saved_activation_bytes
+
+    model, args, kwargs = models.build("gpt")
+    out = {}
+    for joint in (False, True):
+        reference, net = copy.deepcopy(model), copy.deepcopy(model)
+        pm = fxpar.parallelize(net, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
+                               config=fxpar.Config(joint_graph=joint, recompute=recompute))
+        pm(*args, **kwargs)  # the first call traces the joint program
+        _, saved = saved_activation_bytes(lambda: pm(*args, **kwargs), [*pm.parameters(), *pm.buffers()])
+        states = 0
+        if joint:
+            forward = pm.compiled.callables[0].traced.forward
+            state = torch.get_rng_state()
+            states = sum(v.numel() for a in forward.graph.find_nodes(op="output")[0].args[0]
+                         if isinstance(v := getattr(a, "meta", {}).get("val"), torch.Tensor)
+                         and v.dtype == state.dtype and v.shape == state.shape)
+        out[joint] = (saved, states, *sgd_gaps(pm, reference, args, kwargs))
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_recomputation_is_decided_on_the_joint_graph(pool2, recompute):
+    """What backward keeps is the min-cut partitioner's choice on the joint graph, around the regions
+    Config.recompute tagged: no more bytes than the eager checkpointed program, and exact."""
+    for out in pool2.run(_saved, recompute):
+        (eager, _, *eager_gaps), (joint, states, *joint_gaps) = out[False], out[True]
+        assert max(*eager_gaps, *joint_gaps) <= 1e-5, (eager_gaps, joint_gaps)
+        assert joint - states <= eager, (joint, states, eager)
+        if recompute == "none":
+            assert joint == eager and states == 0, (joint, eager, states)

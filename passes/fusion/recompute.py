@@ -16,6 +16,15 @@ tensors it needs. Recomputation alone is bit-exact: the autograd graph and every
     the MLP), and each segment is its own region. f is allowed inside: its forward is the identity and its backward
     all-reduce runs once either way.
 
+[Note: recomputation in the joint program]
+    Under Config(joint_graph=True) the regions are not cut out: their nodes are tagged as torch's selective
+    checkpointing tags them (meta["recompute"] = MUST_RECOMPUTE, one ac_graph_id per region), the joint export copies
+    the tags onto the nodes traced from them, and the min-cut partitioner recomputes exactly those in the backward
+    program instead of saving their outputs. What backward keeps is then a decision on the joint graph, read from
+    the forward program's outputs. "selective" tags each GeLU as well: eagerly, bias_gelu_pass (a custom backward)
+    recomputes it, which the joint trace would undo (its common-subexpression pass merges the recomputed GeLU
+    with the forward's, which then must be saved).
+
 Glossary: *region*, a set of nodes that is contiguous in graph order, so one call can stand for it; *segment*, the
 part of a layer between two collectives. Collectives are recognised by their tag (meta[FXPAR_COMM]).
 """
@@ -26,7 +35,7 @@ import operator
 import torch
 import torch.nn as nn
 from torch.fx import Graph, GraphModule, Node
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.passes.fusion import kernels as fusion_kernels
@@ -176,12 +185,15 @@ def _random_sdpa(gm: GraphModule, n: Node) -> bool:
     return n.op == "call_module" and FXPAR_RANDOM in n.meta and getattr(gm.get_submodule(n.target), "op", None) in SDPA
 
 
-def _selective_regions(gm: GraphModule, layers: Layers) -> list[tuple[str, list[Node]]]:
+def _selective_regions(gm: GraphModule, layers: Layers, tag: bool = False) -> list[tuple[str, list[Node]]]:
+    """The attention cores; tagged for the joint program, each GeLU too (what bias_gelu_pass recomputes eagerly)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for n in gm.graph.nodes:
         core = None
         if n.op == "call_function" and n.target in SDPA or _random_sdpa(gm, n):
+            core = {n}
+        elif tag and n.op == "call_function" and n.target is aten.gelu.default:
             core = {n}
         elif n.op == "call_function" and n.target in SOFTMAX:
             core = _attention_core(n)
@@ -246,8 +258,11 @@ def _extract(gm: GraphModule, nodes: list[Node], name: str, label: str) -> None:
         gm.graph.erase_node(n)
 
 
-def recompute_pass(gm: GraphModule, mode: str) -> GraphModule:
+def recompute_pass(gm: GraphModule, mode: str, tag: bool = False) -> GraphModule:
     """Checkpoint the layers ("full") or the attention cores ("selective") of `gm`; "none" returns gm untouched.
+
+    tag: mark the regions' nodes instead ([Note: recomputation in the joint program]): the joint program's
+    partitioner (passes/joint/export.py) then recomputes them in backward rather than saving them.
 
     Pattern: full, the calls of one transformer layer between collectives; selective, an SDPA call or the nodes
     between q @ k^T and probs @ v around a softmax. Safe: checkpoint keeps the region's inputs, recomputes its
@@ -265,11 +280,16 @@ def recompute_pass(gm: GraphModule, mode: str) -> GraphModule:
         raise ValueError("fxpar recompute='full' checkpoints each transformer layer, but this model has no layer "
                          "list (no ModuleList or Sequential of at least two layers in nn_module_stack).\n"
                          "Fix: Config(recompute='selective') to recompute the attention cores, or 'none'.")
-    regions = _full_regions(gm, layers) if mode == "full" else _selective_regions(gm, layers)
+    regions = _full_regions(gm, layers) if mode == "full" else _selective_regions(gm, layers, tag)
     start = sum(1 for n, _ in gm.named_children() if n.startswith("recompute_"))
     for i, (label, nodes) in enumerate(regions):
+        if tag:
+            for n in nodes:  # torch copies both onto the joint nodes traced from n
+                n.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": start + i,
+                               FXPAR_RECOMPUTE: label})
+            continue
         _extract(gm, _make_contiguous(gm, nodes), f"recompute_{start + i}", label)
-    if regions:
+    if regions and not tag:
         gm.graph.lint()
         gm.recompile()
     return gm

@@ -16,7 +16,7 @@ from torch.fx import GraphModule
 from fxpar.passes.ir.meta import FXPAR_NODE
 from fxpar.passes.ir.op_families import collective_op
 from fxpar.passes.joint.export import Traced
-from fxpar.passes.joint.overlap import exposed_seconds, overlaps
+from fxpar.passes.joint.overlap import GEMM_OPS, exposed_seconds, overlaps
 from fxpar.passes.sharding.comm_audit import BACKWARD, FORWARD, OUTSIDE, ProgramComm, audit
 
 
@@ -35,7 +35,7 @@ def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=N
     found: dict[str, dict] = {}
 
     def row(layer):
-        return found.setdefault(layer, {FORWARD: [], BACKWARD: [], "comm": 0.0, "exposed": 0.0})
+        return found.setdefault(layer, {FORWARD: [], BACKWARD: [], "comm": 0.0, "exposed": 0.0, "gemms": 0})
 
     for chunk_gm, traced in chunks:
         layer_of = {c.node: lc.layer for lc in audit(chunk_gm) for c in (*lc.forward, *lc.backward, *lc.small)}
@@ -45,10 +45,11 @@ def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=N
             for o in overlaps(program):
                 r = row(layer_of.get(o.node, OUTSIDE))
                 r[half].append(o.op)
+                r["gemms"] += sum(n.target in GEMM_OPS for n in o.hidden)
                 if cluster is not None:
                     comm, hidden = exposed_seconds(o, t, cluster)
                     r["comm"] += comm
                     r["exposed"] += max(0.0, comm - hidden)
     order = [layer for layer in found if layer != OUTSIDE] + ([OUTSIDE] if OUTSIDE in found else [])
     return tuple(ProgramComm(layer, tuple(found[layer][FORWARD]), tuple(found[layer][BACKWARD]),
-                             found[layer]["comm"], found[layer]["exposed"]) for layer in order)
+                             found[layer]["comm"], found[layer]["exposed"], found[layer]["gemms"]) for layer in order)

@@ -27,6 +27,7 @@ import torch
 from torch.fx import GraphModule
 from torch._functorch.aot_autograd import (aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors,
                                            boxed_nop_preserve_node_meta)
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
@@ -64,6 +65,7 @@ class JointProgram:
     gm: GraphModule
     compile: bool = False
     passes: tuple[str, ...] = ()  # PROGRAM_PASSES, by name, run in their order on each program
+    min_cut: bool = False
     by_signature: dict = field(default_factory=dict)
     last: tuple | None = None
 
@@ -121,8 +123,9 @@ class JointProgram:
             with mode, functional_collectives():
                 jd = aot_export_joint_with_descriptors(stack, self.gm, fakes,
                                                        decompositions=_decompositions(self.compile))
-            run = aot_compile_joint_with_descriptors(jd, fw_compiler=keeping("forward", compiler),
-                                                     bw_compiler=keeping("backward", compiler))
+            run = aot_compile_joint_with_descriptors(
+                jd, partition_fn=min_cut_rematerialization_partition if self.min_cut else default_partition,
+                fw_compiler=keeping("forward", compiler), bw_compiler=keeping("backward", compiler))
         return Traced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
 
 

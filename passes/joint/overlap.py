@@ -128,7 +128,7 @@ def overlaps(gm: GraphModule) -> list[Overlap]:
     return out
 
 
-_GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+GEMM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
 
 
 def exposed_seconds(o: Overlap, t: int, cluster) -> tuple[float, float]:
@@ -144,7 +144,7 @@ def _compute_seconds(n: Node, cluster) -> float:
     out = n.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return 0.0
-    if n.target in _GEMMS:
+    if n.target in GEMM_OPS:
         a = n.args[-2].meta["val"]  # [.., m, k] @ [.., k, n]
         batch = a.shape[0] if a.dim() == 3 else 1
         return gemm_seconds(Gemm(n.name, a.shape[-2], out.shape[-1], a.shape[-1], batch), cluster)

@@ -158,6 +158,7 @@ class ProgramComm:
     backward: tuple[str, ...]
     comm_s: float = 0.0  # their time, estimated from a cluster's link rates (0: not estimated)
     exposed_s: float = 0.0  # what of it no compute hides (between each collective's start and its wait)
+    hidden_gemms: int = 0  # the GEMMs that run while one of its collectives is in flight
 
     @staticmethod
     def cell(ops: tuple[str, ...]) -> str:
@@ -169,10 +170,10 @@ def program_table(rows: tuple[ProgramComm, ...], cluster: str = "") -> str:
     cluster the times were estimated for, each layer's communication and what stays exposed, in microseconds."""
     out = []
     for key, run in itertools.groupby(rows, key=lambda r: (ProgramComm.cell(r.forward), ProgramComm.cell(r.backward),
-                                                           r.layer == OUTSIDE, round(r.comm_s * 1e6, 1),
-                                                           round(r.exposed_s * 1e6, 1))):
+                                                           r.layer == OUTSIDE, r.hidden_gemms,
+                                                           round(r.comm_s * 1e6, 1), round(r.exposed_s * 1e6, 1))):
         rs = list(run)
         span = rs[0].layer if len(rs) == 1 else f"{rs[0].layer}..{rs[-1].layer.rsplit('.', 1)[-1]}"
-        out.append([span, key[0], key[1], *([key[3], key[4]] if cluster else [])])
+        out.append([span, key[0], key[1], key[3], *([key[4], key[5]] if cluster else [])])
     times = [f"comm us ({cluster})", "exposed us"] if cluster else []
-    return tabulate(out, headers=["layers", "forward program", "backward program", *times])
+    return tabulate(out, headers=["layers", "forward program", "backward program", "GEMMs overlapped", *times])
