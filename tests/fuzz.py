@@ -76,6 +76,17 @@ def _chained(pm, args, kwargs):
     return pytree.tree_unflatten(received, program.traced.out_spec)
 
 
+def _tracing():
+    """With --joint-graph: hold the joint export's lock, so that this rank's compiler passes do not run while another
+    rank, a thread of this process, traces a joint program (passes/joint/export.py TRACING). It is held over
+    compilation only, which runs no collective."""
+    import contextlib
+
+    from fxpar.passes.joint.export import TRACING
+
+    return TRACING if OPTIONS.get("joint_graph") else contextlib.nullcontext()
+
+
 def _refusal(e: Exception) -> str | None:
     """The reason of a clear refusal, or None when the exception is not one."""
     from fxpar.trace import TraceError
@@ -119,7 +130,8 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
     config = fxpar.Config(seed=0, **OPTIONS)
     warnings.filterwarnings("ignore", message="fxpar: found nothing to shard")  # counted as "exact, replicated"
     try:
-        pm = build(model, tp_comm(mesh), args, kwargs, mesh, config, traced=traced)
+        with _tracing():  # the plan traces the joint programs (--joint-graph)
+            pm = build(model, tp_comm(mesh), args, kwargs, mesh, config, traced=traced)
         first = pm.compiled  # before the step: the program the p=2 check cuts (retarget shares its stages)
         got = pm(*cargs, **ckwargs)
         fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(want)))
@@ -135,7 +147,9 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
     if not _everyone(result["outcome"] == "exact") or len(model.layers) < 2:
         return result  # every rank takes the same branch, or one would wait in a collective alone
     try:
-        pp = ParallelModule(chain_model, retarget(first, chain_model, pp=2))
+        with _tracing():
+            pp = ParallelModule(chain_model, retarget(first, chain_model, pp=2))
+            pp.plan = pp.make_plan(pp.compiled)  # traces the chunks' joint programs now (--joint-graph)
         got = _chained(pp, cargs, ckwargs)
         fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(chain_ref(*cargs, **ckwargs))))
         params = _sgd_gap(list(pp.parameters()), pp.full_state_dict, chain_ref, got, chain_ref(*cargs, **ckwargs))

@@ -91,3 +91,13 @@ def test_every_flag_has_help():
 def test_plan_accepts_the_show_targets(target, capsys):
     assert main(["plan", target, "--batch", "8", "--gpus", "8", "--cluster", "selene"]) == 0
     assert "GPUs of selene" in capsys.readouterr().out
+
+
+def test_show_joint_graph_lists_what_each_collective_overlaps(capsys):
+    assert main(["show", "examples/gpt.py:factory", "--tp", "2", "--joint-graph"]) == 0
+    out = capsys.readouterr().out
+    assert "collectives per layer in the joint programs" in out
+    assert "h.0..3              2 all_reduce                2 all_reduce                         4" in out
+    backward = out.split("chunk 0, backward program")[1].splitlines()[1:]
+    # f's all-reduce of the input gradient runs beside its layer's weight-gradient GEMMs
+    assert backward[1:] == [f"all_reduce of tp_f_{i} (32768 bytes): sum, mm, mm, sum" for i in range(7, -1, -1)]

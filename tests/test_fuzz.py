@@ -2,6 +2,8 @@
 check that it catches a wrong rewrite. `make fuzz N=5000` runs the long mode."""
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -26,9 +28,13 @@ def test_a_fixed_batch_is_exact_or_refused(tmp_path):
 
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
-def test_a_failure_the_fuzzer_found_stays_fixed(path):
+def test_a_failure_the_fuzzer_found_stays_fixed(path, monkeypatch):
+    source = path.read_text()
+    options = re.search(r"^FUZZ_OPTIONS = (.*)$", source, re.M)  # the Config fields it was found with
+    if options:
+        monkeypatch.setattr("tests.fuzz.OPTIONS", ast.literal_eval(options.group(1)))
     with Threaded():
-        result = run_one(path.read_text())
+        result = run_one(source)
     assert result["outcome"] in ("exact", "refused"), result
 
 

@@ -10,6 +10,8 @@ and recomputed region.
     dot     Graphviz: one box per node, coloured by what it is, with a legend
 With --pp P (and --vpp V) the model is cut into pipeline chunks: --chunk C shows that chunk in the chosen format;
 without --chunk the plan, its chunks and every pipeline rank's proven action list are printed.
+With --joint-graph the plan reads each layer's collectives from the chunks' joint programs (passes/joint/), and each
+collective of the forward and backward programs is listed with the compute that runs while it is in flight.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tabulate import tabulate
 from fxpar.api import build
 from fxpar.config import Config
 from fxpar.cost.flops import RECOMPUTE_MODES
+from fxpar.passes.joint.overlap import describe
 from fxpar.cost.bubble import default_schedule
 from fxpar.passes.ir.meta import module_path
 from fxpar.passes.tensor_parallel.collectives import TPComm
@@ -51,6 +54,10 @@ def add_parser(sub) -> None:
                    help="between the regions, activations on 1/t of the tokens (Config.sequence_parallel)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                    help="activation recomputation to apply (default none)")
+    p.add_argument("--joint-graph", action="store_true",
+                   help="also trace each chunk's joint program: the plan reads its collectives, and each collective "
+                        "of the forward and backward programs is listed with what runs while it is in flight "
+                        "(Config.joint_graph)")
     p.set_defaults(func=run)
 
 
@@ -160,7 +167,7 @@ def run(args) -> int:
     model, ex_args, ex_kwargs = load_target(args.target)
     pipelined = args.pp > 1 or args.vpp > 1 or args.chunk is not None
     config = Config(fuse=not args.no_fuse, recompute=args.recompute, virtual_stages=args.vpp,
-                    sequence_parallel=args.sequence_parallel,
+                    sequence_parallel=args.sequence_parallel, joint_graph=args.joint_graph,
                     microbatches=args.pp if pipelined else 1, schedule=default_schedule(args.vpp))
     pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs, config=config,
                pp=args.pp if pipelined else 1)
@@ -174,5 +181,11 @@ def run(args) -> int:
         print(f"actions of every pipeline rank (m={config.microbatches}, {config.schedule}), proven "
               f"deadlock-free:\n{format_program(compiled.program)}")
     else:
-        print(render(pm.graph_module, args.format, where, pm.plan))
+        print(render(compiled.partition.chunks[0].gm, args.format, where, pm.plan))
+    if args.joint_graph:
+        for chunk in compiled.partition.chunks if args.chunk is None else [compiled.partition.chunks[args.chunk]]:
+            traced = compiled.callables[chunk.index].traced
+            for half, program in (("forward", traced.forward), ("backward", traced.backward)):
+                print(f"\nchunk {chunk.index}, {half} program: each collective, and what runs while it is in "
+                      "flight\n" + ("\n".join(describe(program)) or "no collective"))
     return 0

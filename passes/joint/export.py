@@ -20,21 +20,24 @@ passes/joint/comm_table.py knows which of fxpar's collectives each functional co
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch.fx import GraphModule
 from torch._functorch.aot_autograd import (aot_compile_joint_with_descriptors, aot_export_joint_with_descriptors,
-                                           boxed_nop_preserve_node_meta)
+                                           make_boxed_func)
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
 from fxpar.passes.joint.overlap import early_collectives, late_waits
 from fxpar.passes.joint.reinplace import in_place_collectives
 from fxpar.passes.tensor_parallel.collectives import functional_collectives
 
+FXPAR_COPY = "fxpar_output_copy"  # meta: a copy _distinct_outputs made ([Note: an output that aliases])
 
 # the passes on each program the partitioner cuts (forward and backward), in order (Config.overlap names them)
 PROGRAM_PASSES = (
@@ -60,7 +63,10 @@ class Traced:
 class JointProgram:
     """Runs a chunk graph as its joint forward+backward program; called like the chunk graph itself.
 
-    compile: the forward and backward programs through inductor (Config.compile), else run as traced."""
+    compile: the forward and backward programs through inductor (Config.compile), else run as traced.
+    min_cut: what backward keeps is torch's min-cut choice on the joint graph, which recomputes the regions that
+    Config.recompute tagged ([Note: recomputation in the joint program] in passes/fusion/recompute.py); else
+    everything backward reads is saved."""
 
     gm: GraphModule
     compile: bool = False
@@ -89,14 +95,15 @@ class JointProgram:
         (the runtime's received values: fxpar/runtime/interpreter.py)."""
         mode = FakeTensorMode()
         with mode:
-            inputs = [_like(n.meta["val"], _needs_grad(n)) if isinstance(n.meta["val"], torch.Tensor) else n.meta["val"]
-                      for n in self.gm.graph.find_nodes(op="placeholder")]
+            inputs = [_like(n.meta["val"], _needs_grad(n)) if isinstance(n.meta["val"], torch.Tensor)
+                      else n.meta["val"] for n in self.gm.graph.find_nodes(op="placeholder")]
         key = _signature(inputs)
         if key not in self.by_signature:
             self.by_signature[key] = self._export(inputs, mode)
         return key
 
     def _export(self, inputs, mode: FakeTensorMode | None = None) -> Traced:
+        _distinct_outputs(self.gm)
         for n in self.gm.graph.nodes:
             n.meta["custom"] = {**n.meta.get("custom", {}), FXPAR_NODE: n.name}
         mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
@@ -118,8 +125,8 @@ class JointProgram:
                 return compiler(gm, example_inputs)
             return compile_half
 
-        compiler = _inductor() if self.compile else boxed_nop_preserve_node_meta
-        with contextlib.ExitStack() as stack:
+        compiler = _inductor() if self.compile else _as_traced
+        with TRACING, contextlib.ExitStack() as stack:
             with mode, functional_collectives():
                 jd = aot_export_joint_with_descriptors(stack, self.gm, fakes,
                                                        decompositions=_decompositions(self.compile))
@@ -127,6 +134,13 @@ class JointProgram:
                 jd, partition_fn=min_cut_rematerialization_partition if self.min_cut else default_partition,
                 fw_compiler=keeping("forward", compiler), bw_compiler=keeping("backward", compiler))
         return Traced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
+
+
+# AOT autograd's tracing state (functionalization levels, torch.fx.traceback's current node) is per process: ranks
+# that are threads of one process (torch's threaded process group, tests/fuzz.py) trace their programs one at a
+# time. Tracing runs no collective, so no rank waits on another while holding it; a caller that runs other FX
+# passes beside a trace in another thread holds it around them too.
+TRACING = threading.RLock()
 
 
 def check_joint(gm: GraphModule) -> None:
@@ -141,6 +155,38 @@ def check_joint(gm: GraphModule) -> None:
                 f"({module_path(n) or 'the root module'}, on the {n.meta[FXPAR_RANDOM]} stream) draws a dropout "
                 "mask in training. Fix: train this model with joint_graph=False, or with dropout p=0 (in eval mode "
                 "dropout is removed and joint_graph works).")
+
+
+def _distinct_outputs(gm: GraphModule) -> None:
+    """Copy each output of the chunk graph that is a view, or shares memory with an input or another output.
+
+    [Note: an output that aliases]
+        AOT autograd returns such an output by replaying its view outside the compiled function, so its gradient
+        reaches the base without passing through the ops between: f's backward all-reduce, for one, when f's output
+        (a view of its input) leaves a pipeline chunk beside its input. A copy is an output of its own, whose
+        gradient flows through the program's backward. tests/fuzz.py found it (a chunk sending f(x) and x)."""
+    output = gm.graph.find_nodes(op="output")[0]
+    seen = {StorageWeakRef(v.untyped_storage()) for n in gm.graph.find_nodes(op="placeholder")
+            if isinstance(v := n.meta.get("val"), torch.Tensor)}
+    changed = False
+
+    def distinct(a):
+        nonlocal changed
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor) or a.meta.get(FXPAR_COPY):
+            return a
+        storage = StorageWeakRef(v.untyped_storage())
+        if v._is_view() or storage in seen:
+            with gm.graph.inserting_before(output):
+                a = gm.graph.call_function(torch.ops.aten.clone.default, (a,))
+            a.meta.update(val=v, **{FXPAR_COPY: True})
+            changed = True
+        seen.add(storage)
+        return a
+
+    output.args = torch.fx.node.map_arg(output.args, distinct)
+    if changed:
+        gm.recompile()
 
 
 def _signature(inputs) -> tuple:
@@ -160,6 +206,12 @@ def _like(value: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _is_fake_of(x: torch.Tensor, mode: FakeTensorMode) -> bool:
     return getattr(x, "fake_mode", None) is mode
+
+
+def _as_traced(gm: GraphModule, example_inputs):
+    """Run a program as traced: its generated code (not an fx.Interpreter, which would set torch.fx.traceback's
+    process-wide current node on every op)."""
+    return make_boxed_func(gm.forward)
 
 
 def _decompositions(compile: bool) -> dict | None:

@@ -110,6 +110,20 @@ class Overlap:
     hidden: tuple[Node, ...]  # the compute that runs while it is in flight (between its start and its wait)
 
 
+def describe(program: GraphModule) -> list[str]:
+    """One line per collective of a program: what it implements and the kernels that run while it is in flight
+    (views and getitems, which launch nothing, left out)."""
+    def op(n):
+        return n.target.overloadpacket.__name__
+
+    return [f"{o.op} of {o.node} ({o.nbytes} bytes): " + (", ".join(op(n) for n in o.hidden if _launches(n))
+                                                           or "nothing, waited at once") for o in overlaps(program)]
+
+
+def _launches(n: Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and not returns_view(n.target)
+
+
 def overlaps(gm: GraphModule) -> list[Overlap]:
     """For each collective of a program, the compute nodes between its start and its wait, in program order."""
     order = list(gm.graph.nodes)
@@ -148,7 +162,7 @@ def _compute_seconds(n: Node, cluster) -> float:
         a = n.args[-2].meta["val"]  # [.., m, k] @ [.., k, n]
         batch = a.shape[0] if a.dim() == 3 else 1
         return gemm_seconds(Gemm(n.name, a.shape[-2], out.shape[-1], a.shape[-1], batch), cluster)
-    if not isinstance(n.target, torch._ops.OpOverload) or returns_view(n.target) or not out.numel():
+    if not _launches(n) or not out.numel():
         return 0.0  # a getitem or a view launches nothing
     return elementwise_seconds(out.numel() * out.element_size(), 1, cluster)
 
