@@ -27,6 +27,20 @@ def test_a_fixed_batch_is_exact_or_refused(tmp_path):
     assert counts["exact, float64 arbiter"] <= BATCH // 20, text  # arbitration stays the exception
 
 
+JOINT_BATCH = 40
+
+
+@pytest.mark.slow
+def test_a_fixed_batch_through_the_joint_programs(tmp_path, monkeypatch):
+    """Seeds 0..39 with Config(joint_graph=True): every chunk as its joint forward+backward program."""
+    monkeypatch.setattr("tests.fuzz.OPTIONS", {"joint_graph": True})  # the job processes get --joint-graph
+    summary = fuzz_jobs(0, JOINT_BATCH, jobs=2, out_dir=str(tmp_path))
+    counts, text = summary["counts"], report(summary, JOINT_BATCH, 0, 0.0)
+    assert not summary["failures"] and sum(counts[k] for k in BAD) == 0, text
+    assert counts["exact"] + counts["refused"] == JOINT_BATCH, text
+    assert counts["exact, sharded"] >= JOINT_BATCH // 2 and counts["p=2 chained: exact"] >= JOINT_BATCH // 3, text
+
+
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_a_failure_the_fuzzer_found_stays_fixed(path, monkeypatch):
     source = path.read_text()
