@@ -8,6 +8,8 @@
     fxpar eager      fxpar.parallelize(model, init_mesh(tp=1), loss_fn, Config(mixed_precision=MixedPrecision()))
                      (bf16 parameters and GEMMs, fp32 main parameters in pm.optimizer(AdamW))
     fxpar compile    the same with Config(compile=True)
+    fxpar joint      the same with Config(joint_graph=True): the joint forward+backward program (passes/joint/)
+    fxpar joint compile   the joint programs through inductor, Config(joint_graph=True, compile=True)
     torch eager      the unmodified model under torch.autocast(bfloat16), fp32 parameters, AdamW
     torch.compile    torch.compile of it, likewise
 
@@ -38,13 +40,14 @@ from cost.flops import flops_per_iteration  # noqa: E402
 from cost.shape import ModelShape  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
-VARIANTS = ("fxpar eager", "fxpar compile", "torch eager", "torch.compile")
+VARIANTS = ("fxpar eager", "fxpar compile", "fxpar joint", "fxpar joint compile", "torch eager", "torch.compile")
 
 
 def _variant(name: str, model, ids, target, device):
     """(step function, first loss) of one variant."""
     if name.startswith("fxpar"):
-        config = fxpar.Config(mixed_precision=fxpar.MixedPrecision(), compile=name == "fxpar compile")
+        config = fxpar.Config(mixed_precision=fxpar.MixedPrecision(), compile=name.endswith("compile"),
+                              joint_graph="joint" in name)
         pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=1), example_args=(ids,), loss_fn=loss_fn,
                                example_target=target, config=config)
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)

@@ -99,5 +99,9 @@ def _parse(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None) -> dict:
+    return common.launch_and_print(run_rank, _parse(argv), format_table)
+
+
 if __name__ == "__main__":
-    common.launch_and_print(run_rank, _parse(), format_table)
+    main()

@@ -79,6 +79,14 @@ def test_fusion_benchmark_runs(capsys):
     assert "fused" in capsys.readouterr().out
 
 
+def test_overlap_benchmark_runs_every_variant_exact(capsys):
+    from benchmarks import overlap
+
+    overlap.main([*TINY_GPT, "--batch", "2", "--rounds", "1", "--steps", "1", "--warmup", "0", "--timeout", "120"])
+    out = capsys.readouterr().out  # raises before timing if any variant is not exact
+    assert all(name in out for name in overlap.VARIANTS) and "vs joint" in out
+
+
 def test_pp_step_runs_and_matches_torch_pipelining(capsys):
     from benchmarks import pp_step
 
