@@ -3,6 +3,8 @@ step of the example GPT, beside torch.compile of the unparallelized model.
 
     fxpar eager       fxpar.parallelize at t=2, the default Config
     fxpar compile     the same with Config(compile=True)
+    fxpar joint compile   Config(joint_graph=True, compile=True): the joint programs (passes/joint/), overlapped,
+                      through inductor
     torch eager       the unmodified model on one rank's process (the same model each rank, no communication)
     torch.compile     torch.compile(model) of the unmodified model, likewise
 
@@ -39,7 +41,7 @@ else:
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
-VARIANTS = ("fxpar eager", "fxpar compile", "torch eager", "torch.compile")
+VARIANTS = ("fxpar eager", "fxpar compile", "fxpar joint compile", "torch eager", "torch.compile")
 TOL = 1e-5
 
 
@@ -82,11 +84,12 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, p
         counters.clear()
         start = time.perf_counter()
         if name.startswith("fxpar") and pp:  # 1F1B over `microbatches`, the loss in the last chunk
-            config = fxpar.Config(compile=name == "fxpar compile", microbatches=microbatches, schedule="1f1b")
+            config = fxpar.Config(compile=name != "fxpar eager", joint_graph="joint" in name,
+                                  microbatches=microbatches, schedule="1f1b")
             models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids[:batch // microbatches],),
                                              loss_fn=_pp_loss, config=config)
         elif name.startswith("fxpar"):
-            config = fxpar.Config(compile=name == "fxpar compile")
+            config = fxpar.Config(compile=name != "fxpar eager", joint_graph="joint" in name)
             models[name] = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids,), config=config)
         else:
             models[name] = copy.deepcopy(model)
@@ -164,13 +167,15 @@ def format_table(result: dict) -> str:
     for name in VARIANTS:
         ratio, q1, q3 = common.paired_ratio(result["times"], name, "fxpar eager")
         breaks, graphs = result["breaks"][name]
-        eager = {"fxpar compile": "fxpar eager", "torch.compile": "torch eager"}.get(name)
+        eager = {"fxpar compile": "fxpar eager", "fxpar joint compile": "fxpar eager",
+                 "torch.compile": "torch eager"}.get(name)
         own = "-"
         if eager:  # the compiled step against its own eager step, paired per round
             r, a, b = common.paired_ratio(result["times"], name, eager)
             own = f"{r:.3f} ({a:.3f}-{b:.3f})"
         rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}", own,
-                     result["compile_s"][name], f"{breaks} / {graphs}" if "compile" in name else "-"])
+                     result["compile_s"][name], "(AOT, no dynamo)" if "joint" in name else
+                     f"{breaks} / {graphs}" if "compile" in name else "-"])
     c = result["config"]
     where = f"t={c['t']}" if "t" in c else f"p={c['p']} (1F1B, m=4)"
     head = (f"train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} batch={c['batch']} "

@@ -112,3 +112,20 @@ def test_overlap_needs_the_joint_graph_and_known_passes():
         Config(overlap=("late_waits",))
     with pytest.raises(ValueError, match="None or a tuple of pass names from"):
         Config(joint_graph=True, overlap=("sooner",))
+
+
+def test_a_program_that_writes_memory_is_not_reordered():
+    """late_waits would otherwise run a write (copy_ into an input) before a read that waits on a collective."""
+    from fxpar.passes.joint.overlap import early_collectives, late_waits
+
+    g = torch.fx.Graph()
+    buf, x = g.placeholder("buf"), g.placeholder("x")
+    started = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "fxpar-simulated-tp"))
+    done = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (started,))
+    read = g.call_function(torch.ops.aten.mul.Tensor, (buf, done))
+    g.call_function(torch.ops.aten.copy_.default, (buf, x))
+    g.output((read,))
+    for program_pass in (early_collectives, late_waits):
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        before = [n.name for n in gm.graph.nodes]
+        assert [n.name for n in program_pass(gm).graph.nodes] == before

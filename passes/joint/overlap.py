@@ -54,6 +54,11 @@ def _feeding_collectives(nodes: list[Node]) -> set[Node]:
     return out
 
 
+def _writes(n: Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable and n.target is not torch.ops._c10d_functional.all_reduce_.default
+
+
 def _ordered(n: Node) -> bool:
     """A node whose order among its kind must stay: a collective start, or an op with a side effect."""
     return collective_op(n) is not None or (n.target is not _WAIT and n.is_impure())
@@ -61,7 +66,11 @@ def _ordered(n: Node) -> bool:
 
 def _reorder(gm: GraphModule, nodes: list[Node], rank, lazy_waits: bool) -> GraphModule:
     """A list schedule of `nodes`: among the ready ones, the lowest (rank, original position) first; with
-    lazy_waits a wait only when no other node is ready. Ordered nodes keep their relative order."""
+    lazy_waits a wait only when no other node is ready. Ordered nodes keep their relative order. A program that
+    writes into memory others may read (any mutating op but an in-place all-reduce of a private buffer,
+    passes/joint/reinplace.py) is left as it is: its data edges alone would not order a read before the write."""
+    if any(_writes(n) for n in nodes):
+        return gm
     position = {n: i for i, n in enumerate(nodes)}
     deps = {n: {a for a in n.all_input_nodes if a in position} for n in nodes}
     previous = None
