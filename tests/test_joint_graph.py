@@ -34,7 +34,7 @@ class _Seen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _from_plan(rows, chunks_run: int = 1) -> tuple[Counter, Counter]:
+def _from_plan(rows) -> tuple[Counter, Counter]:
     fwd, bwd = Counter(), Counter()
     for r in rows:
         fwd.update(r.forward), bwd.update(r.backward)
@@ -82,10 +82,9 @@ def _loss_fn(logits, t):
 
 def _trained(mesh: dict, config: dict, steps: int = 2):
     """`steps` SGD steps of pm.step against the single-process model: the largest loss and parameter gaps, the
-    functional collectives the dispatcher saw in the last step (steps >= 2), and those the plan's rows give for
-    this rank's chunks and microbatches."""
+    functional collectives the dispatcher saw in the last step (steps >= 2), and those this rank's plan gives for
+    its chunks times the microbatches."""
     import fxpar
-    from fxpar.passes.joint.comm_table import program_comm
 
     model, _, _ = models.build("gpt")
     reference = copy.deepcopy(model)
@@ -99,10 +98,7 @@ def _trained(mesh: dict, config: dict, steps: int = 2):
     seen = _Seen()
     gaps = step_gaps(pm, reference, ids, target, _loss_fn, steps,  # the first step traces its programs
                      around=lambda step: seen if step == steps - 1 else contextlib.nullcontext())
-    program = pm.compiled  # traced with the loss (example_target): the program step() runs
-    runs = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
-            if c.index % pm.groups.pp == pm.groups.pp_rank]
-    fwd, bwd = _from_plan(program_comm(runs))
+    fwd, bwd = _from_plan(pm.plan.program_comm)  # a pipeline rank's plan reads its own chunks' programs
     planned = Counter({op: n * m for op, n in (fwd + bwd).items()})
     return (*gaps, seen.ops, planned)
 

@@ -140,8 +140,10 @@ class ParallelModule(nn.Module):
     def make_plan(self, program: Compiled) -> Plan:
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
         partition = program.partition if program.target.pipelined else None
+        groups = self.__dict__.get("groups")  # a pipeline rank reads the joint programs of its own chunks only
         joint = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
-                 if isinstance(program.callables[c.index], JointProgram)]
+                 if isinstance(program.callables[c.index], JointProgram)
+                 and (groups is None or c.index % groups.pp == groups.pp_rank)]
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
                          program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()),
                          program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON)) if joint else (),
