@@ -7,7 +7,7 @@ import torch
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.bubble import SCHEDULES, check_schedule
-from fxpar.passes.joint.export import PROGRAM_PASSES
+from fxpar.passes.joint.export import OVERLAP_NAMES
 from fxpar.runtime.precision import MixedPrecision
 
 
@@ -27,8 +27,8 @@ class Config:
     compile: bool = False  # torch.compile each chunk
     # each chunk runs as its joint forward+backward program, every collective a graph node (passes/joint/)
     joint_graph: bool = False
-    # with joint_graph: the overlap passes run on each program, by name (passes/joint/export.py PROGRAM_PASSES);
-    # None: DEFAULT_OVERLAP (both), () for none
+    # with joint_graph: the overlap passes, by name (passes/joint/export.py OVERLAP_NAMES: early_collectives and
+    # late_waits on each program, dp_buckets: the dp reduction in the backward program); None: DEFAULT_OVERLAP (the first two)
     overlap: tuple[str, ...] | None = None
     trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
     dump_dir: str | None = None  # write each graph stage's graph, and its diff, here (fxpar/compiler.py)
@@ -60,7 +60,7 @@ class Config:
             raise ValueError(f"Config.joint_graph must be True or False, got {self.joint_graph!r}")
         object.__setattr__(self, "overlap", tuple(self.overlap) if isinstance(self.overlap, (list, tuple)) else
                            self.overlap)
-        known = [name for name, _ in PROGRAM_PASSES]
+        known = list(OVERLAP_NAMES)
         if self.overlap is not None and (not isinstance(self.overlap, tuple) or not set(self.overlap) <= set(known)):
             raise ValueError(f"Config.overlap must be None or a tuple of pass names from {known}, got "
                              f"{self.overlap!r}")

@@ -1,6 +1,6 @@
 """Config(joint_graph=True): each chunk runs as its joint forward+backward program (passes/joint/), every collective
 a node of it. Over gloo, against the unmodified model: exact to 1e-5 at t=2 (with sequence parallelism too),
-(p, t) = (2, 2) and (d, t) = (2, 2); and each layer's collectives, read from the programs (pm.plan.program_comm),
+(p, t) = (2, 2), (d, t) = (2, 2) and (p, d) = (2, 2); and each layer's collectives, read from the programs (pm.plan.program_comm),
 are what the dispatcher sees run: the same functional collectives, forward and backward, step for step. Each rank
 runs in a process of its own (AOT autograd's tracing state is not shared between threaded ranks)."""
 import contextlib
@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests import models
 from tests.harness import module_pool
 from tests.models import sgd_gaps, step_gaps
+from fxpar.passes.joint.export import OVERLAP_NAMES
+from fxpar.passes.sharding.comm_audit import DP_ROW
 
 pool2 = module_pool(2, timeout_s=240.0)
 pool4 = module_pool(4, timeout_s=240.0)
@@ -98,21 +100,32 @@ def _trained(mesh: dict, config: dict, steps: int = 2):
     seen = _Seen()
     gaps = step_gaps(pm, reference, ids, target, _loss_fn, steps,  # the first step traces its programs
                      around=lambda step: seen if step == steps - 1 else contextlib.nullcontext())
-    fwd, bwd = _from_plan(pm.plan.program_comm)  # a pipeline rank's plan reads its own chunks' programs
-    planned = Counter({op: n * m for op, n in (fwd + bwd).items()})
-    return (*gaps, seen.ops, planned)
+    rows = pm.plan.program_comm  # a pipeline rank's plan: its own chunks'
+    return (*gaps, seen.ops, _planned(rows, m), rows)
+
+
+def _planned(rows, m: int) -> Counter:
+    """The functional collectives the plan's rows give a step of m microbatches: each layer's m times, the dp
+    buckets' once (the last microbatch's backward program reduces them)."""
+    fwd, bwd = _from_plan([r for r in rows if r.layer != DP_ROW])
+    _, dp = _from_plan([r for r in rows if r.layer == DP_ROW])
+    return Counter({op: n * m for op, n in (fwd + bwd).items()}) + dp
 
 
 @pytest.mark.gloo
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, config", [
     ({"tp": 2, "pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
-    ({"tp": 2, "dp": 2}, {}),
-], ids=["p2t2", "d2t2"])
+    ({"tp": 2, "dp": 2}, {"overlap": OVERLAP_NAMES}),  # with dp_buckets: the dp reduction in the program too
+    ({"pp": 2, "dp": 2}, {"microbatches": 4, "schedule": "1f1b", "bucket_mb": 0.01, "overlap": OVERLAP_NAMES}),
+], ids=["p2t2", "d2t2", "p2d2"])
 def test_joint_programs_train_exactly_and_count_what_runs(pool4, mesh, config):
-    for loss_gap, param_gap, seen, planned in pool4.run(_trained, mesh, config):
+    """At p=2 x d=2 with 1F1B a chunk's last forward runs before its earlier microbatches' backwards: the
+    gradient its program reduces is still the whole step's ([Note: dp buckets in the program])."""
+    for loss_gap, param_gap, seen, planned, rows in pool4.run(_trained, mesh, config):
         assert loss_gap <= 1e-5 and param_gap <= 1e-5, (loss_gap, param_gap)
         assert seen == planned and planned["all_reduce"] > 0, (seen, planned)
+        assert ("dp" in mesh) == any(r.layer == DP_ROW and r.backward for r in rows), rows
 
 
 def _variant(name: str):

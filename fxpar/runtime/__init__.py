@@ -3,6 +3,7 @@
     executable.py           the per-rank executable (tensor / data parallel): programs plus local weights
     pipeline_executable.py  the pipeline-parallel executable: this rank's chunks, its proven program, step()
     interpreter.py          runs one rank's lowered action list, one handler per action kind
+    buckets.py              the step's dp gradient reduction: by the last microbatch's program, or in buckets here
     program_cache.py        programs keyed by what the trace froze (train/eval, non-tensor arguments)
     weights.py              RankWeights: keys, aliases, shapes, shardings, live tensors, gradients, what is unloaded
     optim.py                pm.optimizer: a torch.optim optimizer over what a rank steps

@@ -144,10 +144,17 @@ class ParallelModule(nn.Module):
         joint = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
                  if isinstance(program.callables[c.index], JointProgram)
                  and (groups is None or c.index % groups.pp == groups.pp_rank)]
+        dp = self.dp_programs(program)
+        table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp,
+                             groups.dp if groups is not None else 1) if joint else ()
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
-                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()),
-                         program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON)) if joint else (),
+                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()), table,
                          ESTIMATE_ON)
+
+    def dp_programs(self, program: Compiled) -> list:
+        """The joint programs of this rank's chunks' last microbatches that reduce gradients over dp (pm.step's:
+        fxpar/runtime/pipeline_executable.py)."""
+        return []
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""

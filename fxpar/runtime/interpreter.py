@@ -9,8 +9,8 @@ and messages carry the tags of the same Program, so the program that was proven 
 With scatter/gather each tp rank sends only its 1/t of a replicated boundary tensor and the receiver all-gathers it
 inside its tp group (Narayanan et al. 2021, Sec. 4.1), so the bytes between stages drop by t; a sharded boundary
 value goes from tp rank i to tp rank i whole ([Note: boundaries carry placements]).
-Data-parallel gradients go in buckets: a parameter joins a bucket when its last microbatch's backward on this rank
-is done, and a full bucket is all-reduced at once, asynchronously, while the rest of the flush runs.
+Data-parallel gradients go in buckets (fxpar/runtime/buckets.py): reduced by a chunk's last-microbatch program,
+or by the runtime once the last microbatch's backward of the weight's last chunk on this rank is done.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxpar.runtime.buckets import GradBuckets
 from fxpar.runtime.measure import saved_activation_bytes
 from fxpar.passes.pipeline.lower import Program
 from fxpar.passes.ir.placements import Replicate
@@ -117,74 +118,6 @@ def _wait(work, action, peer: int) -> None:
         ) from e
 
 
-class GradBuckets:
-    """Data-parallel gradient all-reduce in buckets, launched as soon as their gradients are final. With the
-    distributed optimizer (`zero`, fxpar/runtime/zero.py) a bucket is reduce-scattered instead: each dp rank receives
-    the pieces of the gradients it owns ([Note: pieces] in fxpar/runtime/zero.py). The gradients are read and written
-    through `grads` (fxpar/runtime/precision.py Grads: the main gradients under mixed precision), reduced in
-    `reduce_dtype`."""
-
-    def __init__(self, params_of_chunk: dict[int, list], groups: Groups, bucket_bytes: float, grads, zero=None,
-                 reduce_dtype: torch.dtype | None = None):
-        self.g, self.cap, self.grads, self.zero, self.dtype = groups, bucket_bytes, grads, zero, reduce_dtype
-        self.params_of_chunk = params_of_chunk
-        self.uses = {}
-        for ps in params_of_chunk.values():
-            for p in ps:
-                self.uses[p] = self.uses.get(p, 0) + 1
-        self.reset()
-
-    def reset(self) -> None:
-        self.left, self.bucket, self.size, self.launched = dict(self.uses), [], 0, []
-
-    def chunk_done(self, chunk: int) -> None:
-        """Called after a chunk's last-microbatch backward: its parameters may now be final."""
-        if self.g.dp == 1 and self.zero is None:
-            return
-        for p in self.params_of_chunk[chunk]:
-            self.left[p] -= 1
-            grad = self.grads.get(p)
-            if self.left[p] == 0 and grad is not None:
-                self.bucket.append(p)
-                self.size += grad.numel() * grad.element_size()
-                if self.size >= self.cap:
-                    self._launch()
-
-    def _launch(self) -> None:
-        if not self.bucket:
-            return
-        if self.zero is not None:
-            flat = self.zero.layout(self.bucket).to(self.dtype or torch.float32)
-            mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
-            work = None if self.g.dp == 1 else \
-                dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)
-            self.launched.append((work, mine, self.bucket))
-        else:
-            flat = torch.cat([self.grads.get(p).reshape(-1) for p in self.bucket])
-            flat = flat.to(self.dtype or flat.dtype)
-            self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, self.bucket))
-        self.bucket, self.size = [], 0
-
-    def finish(self) -> None:
-        if self.g.dp == 1 and self.zero is None:
-            return
-        self._launch()
-        for work, flat, params in self.launched:
-            if work is not None:
-                work.wait()
-            if self.zero is not None:
-                self.zero.receive(params, flat)
-                continue
-            flat /= self.g.dp
-            offset = 0
-            for p in params:
-                grad = self.grads.get(p)
-                n = grad.numel()
-                grad.copy_(flat[offset : offset + n].view_as(grad))
-                offset += n
-        self.reset()
-
-
 class Runtime:
     """Runs a lowered schedule for one pipeline rank; see the module docstring."""
 
@@ -202,6 +135,7 @@ class Runtime:
         self.saved, self.grads_in, self.handoff = {}, {}, {}
         # float64 on every stage, whatever the model's dtype: the stages all-reduce it, and only the last adds to it
         self.loss = torch.zeros((), dtype=torch.float64, device=self.g.device)
+        self.buckets.start(self.m)
         for a in self.actions:
             start = time.perf_counter()
             self.handlers[a.kind](a)
@@ -225,8 +159,9 @@ class Runtime:
         if chunk.boundary_in:
             xs = self._inputs((F, a.chunk - 1, a.chunk, a.microbatch))
             received = [x.detach().requires_grad_() if x.is_floating_point() else x for x in xs]
-        outs, saved = saved_activation_bytes(lambda: self.stage.run_chunk(chunk, received, self.inputs[a.microbatch]),
-                                             self.state)
+        last = self.buckets.last_microbatch(a.chunk) if a.microbatch == self.m - 1 else None
+        outs, saved = saved_activation_bytes(
+            lambda: self.stage.run_chunk(chunk, received, self.inputs[a.microbatch], last), self.state)
         self.stats.saved_bytes[(a.chunk, a.microbatch)] = saved
         if not chunk.boundary_out:  # the last chunk: its output is the model's output
             loss = self.stage.loss(outs, self.targets[a.microbatch]) / self.m

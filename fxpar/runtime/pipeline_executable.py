@@ -10,7 +10,9 @@ all cut into the same chunks, so this stage holds the same weights whichever run
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,10 @@ from fxpar.mesh import scatter_gather_wanted
 from fxpar.runtime.optim import trainable
 from fxpar.passes.ir.meta import PARAMETER
 from fxpar.runtime.program_cache import describe_mismatch
-from fxpar.runtime.interpreter import P2P, GradBuckets, Groups, Runtime, Stats, write_chrome_trace
+from fxpar.passes.joint.dp_buckets import DPReduce, buckets_of, with_dp_buckets
+from fxpar.passes.joint.export import DP_BUCKETS, JointProgram
+from fxpar.runtime.buckets import ChunkBuckets, GradBuckets
+from fxpar.runtime.interpreter import P2P, Groups, Runtime, Stats, write_chrome_trace
 from fxpar.runtime.weights import tensor_keys
 
 
@@ -33,6 +38,15 @@ def mesh_groups(mesh) -> Groups:
     device = torch.device(mesh.device_type)
     return Groups(pp_rank, p, tp_rank, t, d, dp_rank, stage_ranks, mesh.get_group("tp"), mesh.get_group("dp"),
                   mesh.get_group("pp"), device)
+
+
+def _variants(joint: JointProgram, buckets: list[list[str]], reduce: DPReduce):
+    """What makes the joint program of a chunk's last microbatch, the weights in `buckets` reduced over dp."""
+    def make(has_acc: dict[str, bool]) -> JointProgram:
+        gm = with_dp_buckets(joint.gm, buckets, reduce, has_acc)
+        return dataclasses.replace(joint, gm=gm, by_signature={}, last=None)
+
+    return make
 
 
 class _Pieces(list):
@@ -46,8 +60,13 @@ class Stage:
         self.pm, self.program = pm, program
         self.chunks = {c.index: c for c in program.partition.chunks if c.index % pm.groups.pp == pm.groups.pp_rank}
 
-    def run_chunk(self, chunk, received: list, flat_user: list) -> list:
+    def run_chunk(self, chunk, received: list, flat_user: list, last=None) -> list:
+        """last: (program, its further inputs) where the chunk's last microbatch reduces its gradients over dp in
+        the program (fxpar/runtime/buckets.py)."""
         inputs = self.pm.chunk_inputs(chunk, flat_user, received, self.program)
+        if last is not None:
+            program, extra = last
+            return list(program(*inputs, *extra))
         return list(self.program.callables[chunk.index](*inputs))
 
     def loss(self, outs: list, target) -> torch.Tensor:
@@ -169,9 +188,9 @@ class PipelineModule(ParallelModule):
             program = self.program_for(micro[0][1], with_loss=True)
             if not program.traced.with_loss:  # the loss_fn could not be traced: the model's program, then loss_fn
                 program = self.program_for(micro[0][0])
+            stage = Stage(self, program)
             if program is not self._planned:
                 self._planned, self.plan = program, self.make_plan(program)
-            stage = Stage(self, program)
             self.check_weights(stage.program, stage.chunks.values())
             inputs = [with_target if program.traced.with_loss else model for model, with_target, _ in micro]
             return self._step(stage, inputs, [tgt for _, _, tgt in micro])
@@ -186,7 +205,7 @@ class PipelineModule(ParallelModule):
                              "...) before the first step.")
         mp, scaler = self.config.mixed_precision, self.scaler
         buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self.weights.grads,
-                              zero, mp.reduce_dtype if mp is not None else None)
+                              zero, mp.reduce_dtype if mp is not None else None, self.program_buckets(stage))
         loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
                        scaler.scale if scaler is not None else None).run(micro, targets)
         for key, group in self._tied.items():
@@ -210,6 +229,40 @@ class PipelineModule(ParallelModule):
         if self.config.check_replicas_every and self._steps % self.config.check_replicas_every == 0:
             self.check_replicas()
         return loss
+
+    def dp_programs(self, program) -> list:
+        """Those of a step with every weight accumulating (m > 1), or none holding a gradient (m = 1)."""
+        many = self.config.microbatches > 1
+        return [cb.program({k: many for k in cb.params}).traced
+                for cb in self.program_buckets(Stage(self, program)).values()]
+
+    def program_buckets(self, stage: Stage) -> dict[int, ChunkBuckets]:
+        """Chunk -> its weights that its last microbatch's backward program reduces over dp ([Note: dp buckets in
+        the program] in passes/joint/dp_buckets.py): under the joint graph with the dp_buckets pass, at dp > 1, the
+        weights no other chunk of this rank reads. Made once per program and set of weights."""
+        if self.groups.dp == 1:
+            return {}
+        params = self._chunk_params(stage)
+        uses = Counter(id(p) for ps in params.values() for p in ps)
+        mp, main = self.config.mixed_precision, self.weights.grads.main
+        reduce = DPReduce(self.groups.dp, self.groups.dp_group.group_name, scatter=bool(self.config.zero),
+                          main_dtype=torch.float32 if main else None,
+                          reduce_dtype=mp.reduce_dtype if mp is not None else None)
+        made, out = self.__dict__.setdefault("_program_buckets", {}), {}
+        for c in stage.chunks.values():
+            joint = stage.program.callables[c.index]
+            if not isinstance(joint, JointProgram) or DP_BUCKETS not in joint.passes:
+                continue
+            trained = {id(p) for p in params[c.index] if uses[id(p)] == 1}
+            mine = {gi.key: p for gi in c.inputs if gi.kind == PARAMETER
+                    and id(p := self.weights.live[self.weights.aliases[gi.key]]) in trained}
+            key = (id(joint), tuple(sorted(mine)), reduce)
+            if key not in made:
+                nbytes = {k: p.numel() * (4 if main else p.element_size()) for k, p in mine.items()}
+                buckets = buckets_of(joint.gm, list(mine), nbytes, self.config.bucket_mb * 2**20)
+                made[key] = ChunkBuckets(buckets, mine, reduce, _variants(joint, buckets, reduce))
+            out[c.index] = made[key]
+        return out
 
     def _chunk_params(self, stage: Stage) -> dict[int, list]:
         out = {}

@@ -87,6 +87,8 @@ class Grads:
     @torch.no_grad()
     def _accumulate(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
+        if grad is None:  # a backward that gave p no gradient (a dp bucket's: fxpar/runtime/buckets.py)
+            return
         have = self.get(p)
         self.set(p, grad.to(torch.float32) if have is None else have.add_(grad))
 

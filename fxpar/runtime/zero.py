@@ -21,25 +21,13 @@ over the rank's own parameters. With it, each data-parallel rank owns 1/d of eve
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
+from fxpar.passes.joint.dp_buckets import pieces, rank_major
 from fxpar.runtime.optim import WrappedOptimizer, trainable
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Adadelta", "NAdam", "RAdam", "ASGD", "Rprop")
-
-
-def piece_size(n: int, d: int) -> int:
-    return math.ceil(n / d) if n else 0
-
-
-def pieces(flat: torch.Tensor, d: int) -> list[torch.Tensor]:
-    """The d pieces of a flat tensor ([Note: pieces]), the last padded with zeros."""
-    size = piece_size(flat.numel(), d)
-    padded = torch.nn.functional.pad(flat, (0, size * d - flat.numel()))
-    return list(padded.view(d, size).unbind(0)) if size else [flat.new_zeros(0)] * d
 
 
 class DistributedOptimizer(WrappedOptimizer):
@@ -65,19 +53,15 @@ class DistributedOptimizer(WrappedOptimizer):
     # ---- what the step's buckets call ([Note: pieces]) ---------------------------------------------------------
     def layout(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The rank-major flat gradient of a bucket of parameters, to reduce-scatter."""
-        cut = [pieces(self.grads_of.get(p).reshape(-1), self.d) for p in params]
-        return torch.cat([c[q] for q in range(self.d) for c in cut])
+        return rank_major([self.grads_of.get(p) for p in params], self.d)
 
-    def receive(self, params: list[torch.Tensor], mine: torch.Tensor) -> None:
-        """This rank's reduce-scattered pieces of a bucket (sums over dp): their mean joins the main gradients, and
-        the parameters' local gradients are freed."""
-        offset = 0
-        for p in params:
+    def receive(self, params: list[torch.Tensor], mine: list[torch.Tensor]) -> None:
+        """This rank's reduce-scattered piece of each parameter (sums over dp): their mean joins the main gradients,
+        and the parameters' local gradients are freed."""
+        for p, piece in zip(params, mine):
             main = self.main[self._key_of[p]]
-            n = main.numel()
-            piece = mine[offset:offset + n].to(main.dtype) / self.d
+            piece = piece.to(main.dtype) / self.d
             main.grad = piece if main.grad is None else main.grad + piece
-            offset += n
             self.grads_of.set(p, None)
 
     # ---- the torch.optim interface -----------------------------------------------------------------------------

@@ -6,36 +6,46 @@ says which layer an fxpar collective belongs to).
 This is what the program does, op by op: under tensor parallelism a layer's row reads `2 all_reduce` forward and
 `2 all_reduce` backward (Megatron's f and g); under sequence parallelism, forward `2 all_gather, 2 reduce_scatter`,
 backward the same plus the re-gather of each block the all-gathering GEMMs saved (Korthikanti et al. 2022).
-What the runtime does outside the programs is not here: pipeline sends and receives, and the data-parallel gradient
-buckets (fxpar/runtime/interpreter.py).
+The data-parallel gradient buckets are a row of their own, read from the backward program of each chunk's last
+microbatch (passes/joint/dp_buckets.py), once a step. What the runtime does outside the programs is not here:
+pipeline sends and receives (and the dp buckets of a weight that several of a rank's chunks read, or of a program
+without the dp_buckets pass: fxpar/runtime/buckets.py).
 """
 from __future__ import annotations
 
 from torch.fx import GraphModule
 
-from fxpar.passes.ir.meta import FXPAR_NODE
-from fxpar.passes.ir.op_families import collective_op
+from fxpar.passes.joint.dp_buckets import DP_BUCKET
 from fxpar.passes.joint.export import Traced
 from fxpar.passes.joint.overlap import GEMM_OPS, exposed_seconds, overlaps
-from fxpar.passes.sharding.comm_audit import BACKWARD, FORWARD, OUTSIDE, ProgramComm, audit
+from fxpar.passes.sharding.comm_audit import BACKWARD, DP_ROW, FORWARD, OUTSIDE, ProgramComm, audit
 
 
 def collectives(program: GraphModule) -> list[tuple[str, str]]:
     """(op, fxpar node) of every functional collective of a program, in program order: op as "all_reduce", and the
     name of the chunk graph's node it was traced from."""
-    return [(op, n.meta.get("custom", {}).get(FXPAR_NODE, "")) for n in program.graph.nodes
-            if (op := collective_op(n)) is not None]
+    return [(o.op, o.node) for o in overlaps(program)]
 
 
-def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=None) -> tuple[ProgramComm, ...]:
+def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=None, dp: list[Traced] = (),
+                 d: int = 1) -> tuple[ProgramComm, ...]:
     """Per layer, the collectives of the forward and backward programs of (chunk graph, joint program) pairs, in
-    chunk order; those outside every layer (the vocabulary's) last, as OUTSIDE. With a cluster (fxpar.cost's), each
-    row also estimates the layer's communication time over t ranks and what of it the compute between each
-    collective's start and wait hides (passes/joint/overlap.py)."""
+    chunk order; those outside every layer (the vocabulary's) next, as OUTSIDE; last, as DP_ROW, the dp buckets of
+    the last microbatch's programs `dp` (over d ranks). With a cluster (fxpar.cost's), each row also estimates the
+    layer's communication time and what of it the compute between each collective's start and wait hides
+    (passes/joint/overlap.py)."""
     found: dict[str, dict] = {}
 
     def row(layer):
         return found.setdefault(layer, {FORWARD: [], BACKWARD: [], "comm": 0.0, "exposed": 0.0, "gemms": 0})
+
+    def add(r, half, o, ranks):
+        r[half].append(o.op)
+        r["gemms"] += sum(n.target in GEMM_OPS for n in o.hidden)
+        if cluster is not None:
+            comm, hidden = exposed_seconds(o, ranks, cluster)
+            r["comm"] += comm
+            r["exposed"] += max(0.0, comm - hidden)
 
     for chunk_gm, traced in chunks:
         layer_of = {c.node: lc.layer for lc in audit(chunk_gm) for c in (*lc.forward, *lc.backward, *lc.small)}
@@ -43,13 +53,12 @@ def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=N
             row(layer)
         for half, program in ((FORWARD, traced.forward), (BACKWARD, traced.backward)):
             for o in overlaps(program):
-                r = row(layer_of.get(o.node, OUTSIDE))
-                r[half].append(o.op)
-                r["gemms"] += sum(n.target in GEMM_OPS for n in o.hidden)
-                if cluster is not None:
-                    comm, hidden = exposed_seconds(o, t, cluster)
-                    r["comm"] += comm
-                    r["exposed"] += max(0.0, comm - hidden)
-    order = [layer for layer in found if layer != OUTSIDE] + ([OUTSIDE] if OUTSIDE in found else [])
+                add(row(layer_of.get(o.node, OUTSIDE)), half, o, t)
+    for traced in dp:
+        for o in overlaps(traced.backward):
+            if o.node.startswith(DP_BUCKET):
+                add(row(DP_ROW), BACKWARD, o, d)
+    last = [OUTSIDE, DP_ROW]
+    order = [layer for layer in found if layer not in last] + [layer for layer in last if layer in found]
     return tuple(ProgramComm(layer, tuple(found[layer][FORWARD]), tuple(found[layer][BACKWARD]),
                              found[layer]["comm"], found[layer]["exposed"], found[layer]["gemms"]) for layer in order)

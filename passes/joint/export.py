@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
+from fxpar.passes.joint.dp_buckets import FXPAR_DP
 from fxpar.passes.joint.overlap import early_collectives, late_waits
 from fxpar.passes.joint.reinplace import in_place_collectives
 from fxpar.passes.tensor_parallel.collectives import functional_collectives
@@ -44,7 +45,13 @@ PROGRAM_PASSES = (
     ("early_collectives", early_collectives),  # the compute feeding the next collective first, then the collective
     ("late_waits", late_waits),  # each wait right before its first reader
 )
-# on by default with the joint graph: together they pay on gloo, each alone does not (benchmarks/overlap.py)
+# the dp gradient reduction in the last microbatch's backward program (passes/joint/dp_buckets.py): named beside
+# the program passes, since with them it is what overlaps each bucket with the rest of the backward
+DP_BUCKETS = "dp_buckets"
+OVERLAP_NAMES = (*(name for name, _ in PROGRAM_PASSES), DP_BUCKETS)
+# on by default with the joint graph: together the program passes pay on gloo, each alone does not; dp_buckets does
+# not pay on gloo over 2 cores, where the reduction's thread competes with the compute it would hide
+# (benchmarks/overlap.py --dp)
 DEFAULT_OVERLAP = ("early_collectives", "late_waits")
 
 
@@ -196,6 +203,8 @@ def _signature(inputs) -> tuple:
 
 def _needs_grad(placeholder) -> bool:
     value = placeholder.meta["val"]
+    if FXPAR_DP in placeholder.meta:  # a dp bucket's handle receives the reduced gradient; the accumulated ones none
+        return placeholder.meta[FXPAR_DP] == "handle"
     return input_of(placeholder).kind in (PARAMETER, BOUNDARY) and value.is_floating_point()
 
 

@@ -11,8 +11,10 @@ asynchronously) and its `wait_tensor`. fxpar placed every collective itself, so 
 
 In a backward program that is Megatron's asynchronous column-parallel backward: f's all-reduce of the input gradient
 dX = dY W is issued before the weight-gradient GEMM dW = dY^T X, which does not read it, and waited for where the
-previous layer's backward reads dX. Both keep the order of the collectives among themselves (every rank issues them
-in the same order) and of every node with a side effect (random draws, asserts), so the program computes the same
+previous layer's backward reads dX. With the dp gradient buckets in the backward program (dp_buckets.py), each
+bucket's all-reduce is issued as soon as its last gradient exists. Both keep the order of each group's collectives
+(every rank of the group issues them in the same order; the tp and dp groups' may interleave, as every rank runs
+the same program) and of every node with a side effect (random draws, asserts), so the program computes the same
 values bit for bit. `overlaps(program)` says, per collective, which compute runs while it is in flight.
 """
 from __future__ import annotations
@@ -33,8 +35,8 @@ from fxpar.passes.ir.op_families import collective_op, returns_view
 def early_collectives(gm: GraphModule) -> GraphModule:
     """Reorder `gm` so the compute feeding the next collective runs first, and each collective right after it."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    feeds = _feeding_collectives(nodes)
-    return _reorder(gm, nodes, lambda n: 0 if collective_op(n) else (1 if n in feeds else 2), lazy_waits=False)
+    feeds = _first_collective_fed(nodes)
+    return _reorder(gm, nodes, lambda n: 0 if collective_op(n) else feeds.get(n, len(nodes)) + 1, lazy_waits=False)
 
 
 def late_waits(gm: GraphModule) -> GraphModule:
@@ -43,14 +45,19 @@ def late_waits(gm: GraphModule) -> GraphModule:
     return _reorder(gm, nodes, lambda n: 0, lazy_waits=True)
 
 
-def _feeding_collectives(nodes: list[Node]) -> set[Node]:
-    """The nodes some collective start depends on."""
-    out, stack = set(), [n for n in nodes if collective_op(n)]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in out and a.op not in ("placeholder", "get_attr"):
-                out.add(a)
-                stack.append(a)
+def _first_collective_fed(nodes: list[Node]) -> dict[Node, int]:
+    """For each node some collective start depends on, the position of the first such collective: the compute on
+    the way to an earlier collective runs first (a dX before the dW GEMMs that only a later dp bucket reads)."""
+    out: dict[Node, int] = {}
+    for i, c in enumerate(nodes):
+        if not collective_op(c):
+            continue
+        stack = [c]
+        while stack:
+            for a in stack.pop().all_input_nodes:
+                if a not in out and a.op not in ("placeholder", "get_attr"):
+                    out[a] = i
+                    stack.append(a)
     return out
 
 
@@ -59,26 +66,31 @@ def _writes(n: Node) -> bool:
     return schema is not None and schema.is_mutable and n.target is not torch.ops._c10d_functional.all_reduce_.default
 
 
-def _ordered(n: Node) -> bool:
-    """A node whose order among its kind must stay: a collective start, or an op with a side effect."""
-    return collective_op(n) is not None or (n.target is not _WAIT and n.is_impure())
+def _chain(n: Node) -> str | None:
+    """The chain of nodes whose order must stay that n belongs to: a collective's group (every rank of it issues
+    them in the same order), or the side effects (random draws, asserts); None for the rest."""
+    if collective_op(n) is not None:
+        return str(n.args[-1])  # the group's name, each functional collective's last argument
+    return "side effects" if n.target is not _WAIT and n.is_impure() else None
 
 
 def _reorder(gm: GraphModule, nodes: list[Node], rank, lazy_waits: bool) -> GraphModule:
     """A list schedule of `nodes`: among the ready ones, the lowest (rank, original position) first; with
-    lazy_waits a wait only when no other node is ready. Ordered nodes keep their relative order. A program that
+    lazy_waits a wait only when no other node is ready. The collectives of each group keep their order, and so do
+    the side effects. A program that
     writes into memory others may read (any mutating op but an in-place all-reduce of a private buffer,
     passes/joint/reinplace.py) is left as it is: its data edges alone would not order a read before the write."""
     if any(_writes(n) for n in nodes):
         return gm
     position = {n: i for i, n in enumerate(nodes)}
     deps = {n: {a for a in n.all_input_nodes if a in position} for n in nodes}
-    previous = None
-    for n in nodes:  # chain the ordered nodes: each waits for the one before it
-        if _ordered(n):
-            if previous is not None:
-                deps[n].add(previous)
-            previous = n
+    previous = {}
+    for n in nodes:  # each ordered node waits for the one before it in its chain
+        chain = _chain(n)
+        if chain is not None:
+            if chain in previous:
+                deps[n].add(previous[chain])
+            previous[chain] = n
     users = {n: [] for n in nodes}
     for n, ds in deps.items():
         for d in ds:

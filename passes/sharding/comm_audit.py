@@ -35,6 +35,7 @@ from fxpar.passes.ir.meta import FXPAR_SCALE, Comm, comm_kind, module_path
 
 BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
 OUTSIDE = "outside the layers"
+DP_ROW = "dp buckets (once a step)"  # the dp gradient reduction, in the last microbatch's backward program
 FORWARD, BACKWARD = "forward", "backward"  # the halves of a joint program
 _FORWARD = frozenset(c for c in Comm if c.info.moves == "forward")  # g, all-gather
 _BACKWARD = frozenset(c for c in Comm if c.info.moves == "backward")  # f, scatter
@@ -170,7 +171,8 @@ def program_table(rows: tuple[ProgramComm, ...], cluster: str = "") -> str:
     cluster the times were estimated for, each layer's communication and what stays exposed, in microseconds."""
     out = []
     for key, run in itertools.groupby(rows, key=lambda r: (ProgramComm.cell(r.forward), ProgramComm.cell(r.backward),
-                                                           r.layer == OUTSIDE, r.hidden_gemms,
+                                                           r.layer if r.layer in (OUTSIDE, DP_ROW) else "",
+                                                           r.hidden_gemms,
                                                            round(r.comm_s * 1e6, 1), round(r.exposed_s * 1e6, 1))):
         rs = list(run)
         span = rs[0].layer if len(rs) == 1 else f"{rs[0].layer}..{rs[-1].layer.rsplit('.', 1)[-1]}"

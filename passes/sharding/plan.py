@@ -95,7 +95,8 @@ class Plan:
         text += "\n\n" + "\n".join(self.sequence) if self.sequence else ""
         text += f"\n\nactivation all-reduces per layer\n{self.comm_table()}" if any(
             c.forward or c.backward or c.small for c in self.comm) else ""
-        text += ("\n\ncollectives per layer in the joint programs (outside them: pipeline sends, dp buckets)\n"
+        text += ("\n\ncollectives per layer in the joint programs (outside them: pipeline sends; dp buckets no program "
+                 "reduces)\n"
                  + program_table(self.program_comm, self.comm_cluster)) if self.program_comm else ""
         return text + (f"\n\npipeline chunks\n{self.stage_table()}" if self.stages else "")
 
