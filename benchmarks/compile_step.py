@@ -20,6 +20,11 @@ Run (2 ranks over gloo, 1 thread each):
     .venv/bin/python benchmarks/compile_step.py
     .venv/bin/python benchmarks/compile_step.py --layers 4 --hidden 256 --seq 256 --rounds 10
     .venv/bin/python benchmarks/compile_step.py --pp     # fxpar at p=2 (1F1B, m=4), the rest as above
+    .venv/bin/python benchmarks/compile_step.py --attention sdpa   # torch's eager step runs SDPA too
+
+The example GPT writes its attention out (softmax of masked scores): fxpar's eager step already runs it as one SDPA
+kernel (passes/fusion/attention.py), torch's eager step does not, so torch.compile has more to fuse on its side.
+With --attention sdpa both eager steps start from the same attention kernel.
 """
 from __future__ import annotations
 
@@ -179,7 +184,7 @@ def format_table(result: dict) -> str:
     c = result["config"]
     where = f"t={c['t']}" if "t" in c else f"p={c['p']} (1F1B, m=4)"
     head = (f"train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} batch={c['batch']} "
-            f"vocab={c['vocab']}; fxpar at {where}, torch on each rank's own process; gloo, 1 thread/rank; "
+            f"vocab={c['vocab']} attention={c.get('attention', 'explicit')}; fxpar at {where}, torch on each rank's own process; gloo, 1 thread/rank; "
             f"{c['rounds']} interleaved rounds; ratio: median per-round ratio to fxpar eager; first call s: build, "
             "compile and the first step; graph breaks / graphs: dynamo's, on this rank")
     return head + "\n" + tabulate(rows, headers=["variant", "median ms", "vs fxpar eager", "(IQR)",
@@ -202,13 +207,16 @@ def _parse(argv):
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one)")
     p.add_argument("--pp", action="store_true", help="fxpar at p=nproc (1F1B over 4 microbatches), not t=nproc")
+    p.add_argument("--attention", default="explicit", choices=["explicit", "in_graph", "sdpa"],
+                   help="the GPT's attention (explicit: fxpar's eager step already runs it as SDPA, torch's does not)")
     return p.parse_args(argv)
 
 
 def _run(args) -> dict:
     if not args.warm_cache:  # a cold inductor cache per rank: `first call s` includes the whole compile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpar-inductor-")
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                    attention=args.attention)
     return run_rank(cfg, args.batch, args.rounds, args.steps, args.warmup, pp=args.pp)
 
 

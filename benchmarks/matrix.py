@@ -4,16 +4,17 @@ paired per-round ratios, into one table and one plot.
     case                          script            fxpar variant          peer
     GPT (sdpa), t=2               tp_step.py        fxpar                  hand-written Megatron layer, DTensor
     GPT (explicit attention), t=2 tp_step.py        fxpar                  hand-written Megatron layer, DTensor
+    Llama (GQA, SwiGLU), t=2      llama_step.py     fxpar                  DTensor with Hugging Face's own plan
     GPT, p=2, m=4                 pp_step.py        fxpar 1f1b             torch.distributed.pipelining 1F1B
                                                     fxpar interleaved      torch's interleaved 1F1B (v=2)
-    GPT, t=2, compile             compile_step.py   fxpar compile          fxpar eager (and torch.compile against
-                                                                           torch eager, the gain to match)
+    GPT, t=2, compile             compile_step.py   fxpar compile,         fxpar eager (and torch.compile against
+                                                    fxpar joint compile    torch eager, the gain to match)
     GPT, p=2, compile             compile_step.py   the same, fxpar at p=2 (1F1B, m=4)
 
 Each script runs its own ranks (2 gloo ranks, 1 thread each), checks every variant against the unmodified model
 before timing, and returns per-round times; a cell is the median over rounds of the ratio within a round (below
-1: fxpar faster), with quartiles. Not in the matrix yet: a Llama-shaped model and p=2 x t=2 (the scripts build the
-example GPT only, and the peers have no hybrid runner here).
+1: fxpar faster), with quartiles. Not in the matrix yet: p=2 x t=2 (4 ranks on this machine's 2 cores, and the
+peers have no hybrid runner here).
 
     .venv/bin/python benchmarks/matrix.py [--rounds 8] [--readme benchmarks/README.md] [--plot benchmarks/matrix.png]
 """
@@ -32,10 +33,12 @@ else:
 
 BEGIN, END = "<!-- bench-matrix:begin (make bench writes this) -->", "<!-- bench-matrix:end -->"
 _TP_PEERS = (("fxpar", "hand-written"), ("fxpar", "DTensor"))
-_COMPILE_PEERS = (("fxpar compile", "fxpar eager"), ("torch.compile", "torch eager"))
+_COMPILE_PEERS = (("fxpar compile", "fxpar eager"), ("fxpar joint compile", "fxpar eager"),
+                  ("torch.compile", "torch eager"))
 CASES = (  # (case, benchmark module, its arguments, (variant, peer) pairs)
     ("GPT (sdpa), t=2", "tp_step", [], _TP_PEERS),
     ("GPT (explicit attention), t=2", "tp_step", ["--attention", "explicit"], _TP_PEERS),
+    ("Llama (GQA, SwiGLU), t=2", "llama_step", [], (("fxpar", "DTensor"),)),
     ("GPT, p=2, m=4", "pp_step", ["--microbatches", "4"],
      (("fxpar 1f1b", "torch 1f1b"), ("fxpar interleaved", "torch interleaved"))),
     ("GPT, t=2, compile", "compile_step", [], _COMPILE_PEERS),

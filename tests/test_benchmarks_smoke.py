@@ -87,6 +87,25 @@ def test_overlap_benchmark_runs_every_variant_exact(capsys):
     assert all(name in out for name in overlap.VARIANTS) and "vs joint" in out
 
 
+def test_overlap_benchmark_at_d2_runs_every_variant_exact(capsys):
+    from benchmarks import overlap
+
+    overlap.main([*TINY_GPT, "--batch", "2", "--rounds", "1", "--steps", "1", "--warmup", "0", "--timeout", "120",
+                  "--dp", "--bucket-mb", "0.001"])
+    out = capsys.readouterr().out  # raises before timing if any variant is not exact
+    assert all(name in out for name in overlap.DP_VARIANTS) and "d=2" in out
+
+
+def test_llama_step_runs_and_is_exact(capsys):
+    from benchmarks import llama_step
+
+    result = llama_step.main(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate",
+                              "64", "--seq", "8", "--vocab", "64", "--batch", "2", "--rounds", "1", "--steps", "1",
+                              "--warmup", "0", "--timeout", "120"])
+    assert all(max(result["errors"][name]) <= llama_step.TOL for name in llama_step.VARIANTS), result["errors"]
+    assert "vs DTensor" in capsys.readouterr().out
+
+
 def test_pp_step_runs_and_matches_torch_pipelining(capsys):
     from benchmarks import pp_step
 
