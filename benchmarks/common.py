@@ -79,6 +79,18 @@ def time_rounds(step_fns: dict, rounds: int, steps: int = 1, warmup: int = 0, ba
     return {"times": times, "cpu": cpu}
 
 
+def sgd_step(params, run, lr: float = 1e-3):
+    """A timed train step as a function of nothing: zero the gradients, run() (forward and backward), an SGD step."""
+    opt = torch.optim.SGD(list(params), lr=lr)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        run()
+        opt.step()
+
+    return step
+
+
 def _over_ranks(samples: dict, op) -> dict:
     """{name: [samples]} combined elementwise over the ranks of the default group with the dist.ReduceOp `op`."""
     names = list(samples)

@@ -124,22 +124,12 @@ def run_rank(args) -> dict:
     bad = {n: e for n, e in errors.items() if max(e) > TOL}
     if bad:
         raise AssertionError(f"not exact (max |loss err|, |grad err| per variant, tolerance {TOL}): {bad}")
-    steps = {name: _train_step(models[name], ids, target) for name in VARIANTS}
+    steps = {name: common.sgd_step(models[name].parameters(), lambda m=models[name]: loss_fn(m(ids), target).backward())
+             for name in VARIANTS}
     timed = common.time_rounds(steps, args.rounds, args.steps, args.warmup, barrier=True, reduce=dist.ReduceOp.MAX)
     return {"times": timed["times"], "cpu": timed["cpu"], "errors": errors,
             "config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "seq",
                                                      "batch", "vocab", "rounds", "steps")} | {"t": t}}
-
-
-def _train_step(model, ids, target, lr: float = 1e-3):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(ids), target).backward()
-        opt.step()
-
-    return step
 
 
 def format_table(result: dict) -> str:

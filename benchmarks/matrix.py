@@ -7,14 +7,15 @@ paired per-round ratios, into one table and one plot.
     Llama (GQA, SwiGLU), t=2      llama_step.py     fxpar                  DTensor with Hugging Face's own plan
     GPT, p=2, m=4                 pp_step.py        fxpar 1f1b             torch.distributed.pipelining 1F1B
                                                     fxpar interleaved      torch's interleaved 1F1B (v=2)
+    GPT, p=2 x t=2, m=4           hybrid_step.py    fxpar                  torch's pipelining over DTensor stages
+                                  (4 ranks)
     GPT, t=2, compile             compile_step.py   fxpar compile,         fxpar eager (and torch.compile against
                                                     fxpar joint compile    torch eager, the gain to match)
     GPT, p=2, compile             compile_step.py   the same, fxpar at p=2 (1F1B, m=4)
 
 Each script runs its own ranks (2 gloo ranks, 1 thread each), checks every variant against the unmodified model
 before timing, and returns per-round times; a cell is the median over rounds of the ratio within a round (below
-1: fxpar faster), with quartiles. Not in the matrix yet: p=2 x t=2 (4 ranks on this machine's 2 cores, and the
-peers have no hybrid runner here).
+1: fxpar faster), with quartiles. The p=2 x t=2 case runs 4 ranks on this machine's cores.
 
     .venv/bin/python benchmarks/matrix.py [--rounds 8] [--readme benchmarks/README.md] [--plot benchmarks/matrix.png]
 """
@@ -41,6 +42,7 @@ CASES = (  # (case, benchmark module, its arguments, (variant, peer) pairs)
     ("Llama (GQA, SwiGLU), t=2", "llama_step", [], (("fxpar", "DTensor"),)),
     ("GPT, p=2, m=4", "pp_step", ["--microbatches", "4"],
      (("fxpar 1f1b", "torch 1f1b"), ("fxpar interleaved", "torch interleaved"))),
+    ("GPT, p=2 x t=2, m=4", "hybrid_step", [], (("fxpar", "torch pp + DTensor"),)),
     ("GPT, t=2, compile", "compile_step", [], _COMPILE_PEERS),
     ("GPT, p=2, compile", "compile_step", ["--pp"], _COMPILE_PEERS),
 )

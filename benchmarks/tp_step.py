@@ -83,6 +83,22 @@ def _local_attention_forward(self, x):
     return self.c_proj(y)
 
 
+def dtensor_block(block, mesh, t: int) -> None:
+    """One GPT block split over `mesh` (1-D, size t) by DTensor, with the hand edits of the module docstring."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    attn = block.attn
+    with torch.no_grad():
+        for p in (attn.c_attn.weight, attn.c_attn.bias):
+            p.copy_(_head_interleaved(p, t))
+    attn.heads //= t
+    attn.forward = types.MethodType(_local_attention_forward, attn)
+    parallelize_module(block, mesh, {
+        "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(),
+    })
+
+
 def dtensor_gpt(model: GPT, t: int):
     """The same GPT through torch's DTensor TP, with the hand edits listed in the module docstring."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,16 +107,7 @@ def dtensor_gpt(model: GPT, t: int):
 
     mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
     for block in model.h:
-        attn = block.attn
-        with torch.no_grad():
-            for p in (attn.c_attn.weight, attn.c_attn.bias):
-                p.copy_(_head_interleaved(p, t))
-        attn.heads //= t
-        attn.forward = types.MethodType(_local_attention_forward, attn)
-        parallelize_module(block, mesh, {
-            "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(),
-        })
+        dtensor_block(block, mesh, t)
     parallelize_module(model, mesh, {
         "wte": RowwiseParallel(input_layouts=Replicate()),  # vocab-parallel embedding, all-reduced
         "lm_head": ColwiseParallel(output_layouts=Replicate()),  # vocab-parallel logits, all-gathered

@@ -96,6 +96,15 @@ def test_overlap_benchmark_at_d2_runs_every_variant_exact(capsys):
     assert all(name in out for name in overlap.DP_VARIANTS) and "d=2" in out
 
 
+def test_hybrid_step_runs_and_is_exact(capsys):
+    from benchmarks import hybrid_step
+
+    result = hybrid_step.main(["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "64",
+                               "--batch", "8", "--rounds", "1", "--steps", "1", "--warmup", "0", "--timeout", "120"])
+    assert all(max(result["errors"][name]) <= hybrid_step.TOL for name in hybrid_step.VARIANTS), result["errors"]
+    assert "fxpar/torch" in capsys.readouterr().out
+
+
 def test_llama_step_runs_and_is_exact(capsys):
     from benchmarks import llama_step
 
