@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast fuzz sweep bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-_PATCH_LOCK = threading.Lock()  # one trace patches torch.autograd.Function at a time
+_PATCH_LOCK = threading.Lock()  # one trace patches torch's autograd classes at a time
 
 
 def _autocast_state() -> list:
@@ -72,29 +72,43 @@ def _where() -> str:
 @contextlib.contextmanager
 def watch_trace():
     """Yield a list that collects (what, where) for each custom autograd.Function applied and each
-    tensor.register_hook called while the body runs."""
+    tensor.register_hook called while the body runs.
+
+    [Note: every Function seen]
+        A Function is seen where its backward node is made, not where `apply` is looked up: `MyFn.apply` bound in
+        `__init__`, at module level, through functools.partial, a decorator or a helper elsewhere is a method
+        object made before the trace, which no patch of `Function.apply` reaches. Every application, however it
+        is reached, constructs the class's backward node (a subclass of BackwardCFunction) from C++; patching that
+        base class's `__init__` sees each one, with the user's line on the stack.
+    """
     seen: list[tuple[str, str]] = []
-    function, tensor = torch.autograd.Function, torch.Tensor
+    node, tensor = torch.autograd.function.BackwardCFunction, torch.Tensor
     tracing = threading.get_ident()  # other threads (ranks of a threaded group) may call Functions meanwhile
     with _PATCH_LOCK:
-        apply, register_hook = function.__dict__["apply"], tensor.__dict__["register_hook"]  # the descriptors
+        had_init, init = "__init__" in node.__dict__, node.__init__
+        register_hook = tensor.__dict__["register_hook"]  # the descriptor
 
-        def watched_apply(cls, *args, **kwargs):
+        def watched_init(self, *args, **kwargs):
+            cls = type(self)._forward_cls
             if threading.get_ident() == tracing and not _registered_op(cls):
                 seen.append((f"custom autograd.Function {cls.__qualname__}", _where()))
-            return apply.__func__(cls, *args, **kwargs)
+            init(self, *args, **kwargs)
 
         def watched_hook(self, hook):
             if threading.get_ident() == tracing:
                 seen.append((f"tensor.register_hook({getattr(hook, '__qualname__', hook)})", _where()))
             return register_hook(self, hook)
 
-        function.apply = classmethod(watched_apply)
+        node.__init__ = watched_init
         tensor.register_hook = watched_hook
         try:
             yield seen
         finally:
-            function.apply, tensor.register_hook = apply, register_hook
+            tensor.register_hook = register_hook
+            if had_init:
+                node.__init__ = init
+            else:
+                del node.__init__
 
 
 def _registered_op(cls) -> bool:
