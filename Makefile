@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/demo.py
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+test: $(STAMP)  # ends with the suite's time and its ten slowest tests
+	$(PY) -m pytest -q tests --durations=10
 
 test-fast: $(STAMP)  # one-process tests only: no gloo ranks, no torchrun, nothing slow
 	$(PY) -m pytest -q tests -m "not gloo and not torchrun and not slow"
@@ -24,7 +24,7 @@ fuzz: $(STAMP)  # the differential fuzzer's long mode: N generated models on 2 c
 	$(PY) -m tests.fuzz --count $(N) --jobs 2 --out fuzz-failures
 
 sweep: $(STAMP)  # every Hugging Face causal LM at t=2 from a tiny config: the table in README.md and sweep.md
-	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json --readme README.md
+	$(PY) -m tests.hf_sweep --markdown sweep.md --json sweep.json --readme docs/supported.md
 
 bench: $(STAMP)  # the benchmark matrix against the peers: the table and plot in benchmarks/README.md
 	$(PY) benchmarks/matrix.py --readme benchmarks/README.md --plot benchmarks/matrix.png

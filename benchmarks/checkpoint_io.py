@@ -126,10 +126,11 @@ def _save_for_meta(args) -> dict:
     model, _, ids = _trained(args)
     import fxpar
 
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     pm = fxpar.parallelize(model, fxpar.init_mesh(dp=dist.get_world_size()), example_args=(ids,), loss_fn=loss_fn,
                            example_target=ids)
     fxpar.save(args.checkpoint, pm)
-    return {"model": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+    return {"model": size}
 
 
 def _shared_tmp() -> str:

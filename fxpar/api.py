@@ -14,6 +14,7 @@ import torch.nn as nn
 from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
 from fxpar.runtime.executable import ParallelModule, tp_comm
+from fxpar.runtime.ownership import release
 from fxpar.mesh import check_mesh
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.tensor_parallel.rng import RandomStreams
@@ -89,7 +90,8 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
     """Parallelize an unmodified model over `mesh` (a (pp, dp, tp) DeviceMesh from fxpar.init_mesh).
 
     Returns an nn.Module: calling it returns what `model` returns, replicated on every tp rank; its parameters are
-    this rank's shards; `full_state_dict()` gathers them under the original keys; `plan` lists every decision.
+    this rank's shards, and it owns the weights: `model`'s parameters are released, and using them raises an error
+    that points here ([Note: one copy of the truth] in fxpar/runtime/ownership.py); `full_state_dict()` gathers them under the original keys; `plan` lists every decision.
     With `loss_fn(output, target)` it also trains with `pm.step(*global_batch, target=...)`, which runs the
     pipeline schedule of `config` (required when pp > 1) and the data-parallel gradient all-reduce. The loss is
     traced with the model (a cross-entropy over the vocabulary-parallel logits never gathers them); pass
@@ -120,5 +122,7 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         raise TypeError(f"fxpar.parallelize: loss_fn must be callable, got {type(loss_fn).__name__}")
     if example_target is not None and loss_fn is None:
         raise ValueError("fxpar.parallelize: example_target is the target of loss_fn; pass loss_fn too")
-    return build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn,
-                 example_target=example_target)
+    pm = build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn,
+               example_target=example_target)
+    release(model)  # [Note: one copy of the truth] in fxpar/runtime/ownership.py
+    return pm

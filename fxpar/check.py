@@ -14,10 +14,15 @@ model, its inputs passed again as the pipeline's target ([Note: the loss is trac
 How it runs. Each rank is a process of its own over gloo, started here (no torchrun, no port: a FileStore in a
 temporary folder), because a pipeline's stages talk point to point, which torch's threaded process group lacks.
 Every rank builds the model from the factory after the same torch.manual_seed, so each holds the same weights and
-the same reference. Each step's global batch is dp*m copies of the example, each with its values in a random order
-(a tensor's own values, so token ids and -100 labels stay valid; tensors that were the same tensor stay the same
-tensor). fxpar trains on it with pm.step; the reference runs the unmodified model on the same dp*m microbatches and
-averages their losses, as the pipeline does, then steps the same optimizer.
+the same reference. Each step's global batch is dp*m pieces, one per dp slice and microbatch, each a copy of the
+example with its values in a random order (a tensor's own values, so token ids stay valid; tensors that were the
+same tensor stay the same tensor). A tensor of targets, one with -100 (cross-entropy's ignore_index) among its
+values in the example, gets a fresh mask instead in every piece: its valid targets drawn again for every position,
+then a random share of them (0 to all) set to -100, so the pieces count different numbers of valid targets, as
+instruction tuning and packed sequences do, and a microbatch may have none; the last target of the global batch
+stays valid where every other is ignored. fxpar trains on it with pm.step; the reference runs the unmodified model
+on the whole global batch at once, on one process, which is what step() must equal ([Note: whole-batch semantics]
+in passes/frontend/token_count.py), then steps the same optimizer.
 
 [Tolerance] fp32: 1e-5 relative (to max(1, |value|)) on the loss and on every parameter after every step: what
 summation order alone can change. One thing amplifies it: AdamW's step is lr * g / (|g| + eps) at first, whose
@@ -31,7 +36,7 @@ least fp32" (Hugging Face's losses call `logits.float()`), and a float32 loss wo
 Qwen3 with labels=: 1e-6 with it, 2e-16 without).
 bf16 (`--precision bf16`, Megatron's recipe: bf16 parameters and GEMMs, fp32 main gradients and parameters): two
 runs. (1) bf16 against the same recipe on one process (the model cast to bf16, its floating inputs too, the loss on
-outputs cast to fp32, each microbatch's bf16 gradients added into fp32 main gradients, AdamW on fp32 main
+outputs cast to fp32, the whole batch's bf16 gradients taken into fp32 main gradients, AdamW on fp32 main
 parameters): the loss within 2e-3 relative at every step. bf16 keeps 8 significant bits (2^-9 = 2e-3 of rounding
 per op), and a row-parallel GEMM rounds its partial sums before the all-reduce. Its parameters are not judged:
 that rounding flips the sign of AdamW's first step on every weight whose gradient is near zero, a gap of 2 lr no
@@ -138,9 +143,31 @@ def default_loss(out, *args, **kwargs) -> torch.Tensor:
     return first.float().square().mean()
 
 
+IGNORE_INDEX = -100  # cross-entropy's default ignore_index: a target that counts no token
+
+
+def _targets(flat: torch.Tensor) -> torch.Tensor | None:
+    """The valid targets of a tensor of targets (integers, some of them IGNORE_INDEX), or None for any other."""
+    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+        return None
+    ignored = flat == IGNORE_INDEX
+    return flat[~ignored] if ignored.any() and not ignored.all() else None
+
+
+def _piece(flat: torch.Tensor, valid: torch.Tensor | None, g: torch.Generator) -> torch.Tensor:
+    """One microbatch's copy of a tensor: its values in a random order; a tensor of targets (`valid`: its valid
+    targets), those drawn again for every position, then a fresh share (0 to 1) of them set to IGNORE_INDEX."""
+    if valid is None:
+        return flat[torch.randperm(flat.numel(), generator=g)]
+    drawn = valid[torch.randint(valid.numel(), (flat.numel(),), generator=g, device=g.device)]
+    share = torch.rand((), generator=g, device=g.device)
+    return drawn.masked_fill(torch.rand(flat.numel(), generator=g, device=g.device) < share, IGNORE_INDEX)
+
+
 def batch(args: tuple, kwargs: dict, pieces: int, step: int, seed: int) -> tuple[tuple, dict]:
-    """A global batch of `pieces` copies of the example along dim 0, each tensor's values in a random order (see
-    the module docstring); tensors that were the same tensor stay the same tensor."""
+    """A global batch of `pieces` copies of the example along dim 0 (one per dp slice and microbatch), each tensor's
+    values in a random order, and a fresh mask of ignored targets in each piece of a tensor of targets (see the
+    module docstring); tensors that were the same tensor stay the same tensor."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     made: dict[int, torch.Tensor] = {}
 
@@ -149,20 +176,21 @@ def batch(args: tuple, kwargs: dict, pieces: int, step: int, seed: int) -> tuple
             return x
         if id(x) not in made:
             flat = x.detach().reshape(-1)
-            made[id(x)] = torch.cat([flat[torch.randperm(flat.numel(), generator=g)].view_as(x)
-                                     for _ in range(pieces)]).requires_grad_(x.requires_grad)
+            valid = _targets(flat)
+            parts = [_piece(flat, valid, g) for _ in range(pieces)]
+            if valid is not None and all(bool((p == IGNORE_INDEX).all()) for p in parts):
+                parts[-1][-1] = valid[-1]  # at least one valid target in the whole batch (the last, which a shift
+                # to next-token targets keeps)
+            made[id(x)] = torch.cat([p.view_as(x) for p in parts]).requires_grad_(x.requires_grad)
         return made[id(x)]
 
     return pytree.tree_map(shuffled, (tuple(args), dict(kwargs)))
 
 
-def _rows(tree, i: int, n: int):
-    return pytree.tree_map(lambda x: x.chunk(n)[i] if isinstance(x, torch.Tensor) and x.dim() else x, tree)
-
-
 class Reference:
-    """The unmodified model trained on one process, on the pipeline's microbatches; in bf16, Megatron's recipe
-    ([Tolerance])."""
+    """The unmodified model trained on one process, on the whole global batch at once: what step() must equal
+    ([Note: whole-batch semantics] in passes/frontend/token_count.py: a token-mean loss is the mean over the global
+    batch's valid targets, not the mean of the microbatches' means); in bf16, Megatron's recipe ([Tolerance])."""
 
     def __init__(self, model, loss, spec: CheckSpec):
         self.model, self.loss, self.spec = model, loss, spec
@@ -177,28 +205,23 @@ class Reference:
     def step(self, args, kwargs) -> float:
         from fxpar.runtime.precision import cast_inputs, cast_outputs
 
-        n, total = self.spec.dp * self.spec.m, 0.0
         self.opt.zero_grad()
-        for i in range(n):  # the pipeline's microbatches: dp rank by dp rank, then m each, in the same order
-            a, k = _rows((args, kwargs), i, n)
-            if self.low is None:
-                out = self.model(*a, **k)
-            else:
-                out = cast_outputs(self.model(*cast_inputs(a, self.low), **cast_inputs(k, self.low)))
-            loss = self.loss(out, *a, **k)
-            (loss / n).backward()
-            total += loss.item() / n
-            if self.low is not None:  # bf16 gradients into fp32 main gradients, microbatch by microbatch
-                for p, main in self.main.items():
-                    if p.grad is not None:
-                        main.grad = p.grad.float() if main.grad is None else main.grad + p.grad.float()
-                        p.grad = None
+        if self.low is None:
+            out = self.model(*args, **kwargs)
+        else:
+            out = cast_outputs(self.model(*cast_inputs(args, self.low), **cast_inputs(kwargs, self.low)))
+        loss = self.loss(out, *args, **kwargs)
+        loss.backward()
+        if self.low is not None:  # bf16 gradients into fp32 main gradients
+            for p, main in self.main.items():
+                if p.grad is not None:
+                    main.grad, p.grad = p.grad.float(), None
         self.opt.step()
         if self.low is not None:
             with torch.no_grad():
                 for p, main in self.main.items():
                     p.copy_(main)
-        return total
+        return loss.item()
 
     def state(self) -> dict:
         return self.model.state_dict()

@@ -33,6 +33,7 @@ from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add
                                         identity_dropout_pass)
 from fxpar.passes.frontend.context_regions import inline_context_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
+from fxpar.passes.frontend.token_count import LossNormalization, loss_normalization
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
 from fxpar.passes.joint.export import DEFAULT_OVERLAP, JointProgram, check_joint
@@ -90,6 +91,7 @@ class Compiled:
     config: Config
     loss: tuple | None = None  # (loss_fn, example target): trace the loss with the model ([Note: the loss is traced])
     traced: Traced | None = None  # trace: the unmodified program, the reference
+    normalization: LossNormalization | None = None  # how step() weights the microbatch losses (a traced loss only)
     gm: GraphModule | None = None  # the working graph, as the graph passes leave it
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
     sequence: SequenceAnalysis | None = None  # sequence_analysis: what runs on sequence blocks between regions
@@ -127,6 +129,12 @@ def _trace(c: Compiled) -> Traced:
     if device is not None:
         place_meta_state_pass(traced.gm, device)
     return traced
+
+
+def _normalization(c: Compiled) -> LossNormalization | None:
+    """[Note: whole-batch semantics] in passes/frontend/token_count.py: a token-mean loss and what counts its
+    valid targets, read from the unmodified program."""
+    return loss_normalization(c.traced.gm) if c.traced.with_loss else None
 
 
 def _working_copy(c: Compiled) -> GraphModule:
@@ -302,6 +310,7 @@ def compile_graph(gm: GraphModule, backend: str = "inductor", **options):
 STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     # name             product (None: a check)   what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
+    ("normalization", "normalization", _normalization),  # a token-mean loss: what counts its valid targets
     ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
     ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
     ("context_regions", "gm", lambda c: inline_context_pass(c.gm)),  # autocast, no_grad bodies as ops

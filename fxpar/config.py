@@ -1,6 +1,7 @@
 """fxpar.Config: the options of parallelize() beyond the mesh, validated on construction."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -11,7 +12,7 @@ from fxpar.passes.joint.export import OVERLAP_NAMES
 from fxpar.runtime.precision import MixedPrecision
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     microbatches: int = 1  # m: microbatches per pipeline flush
     virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
@@ -40,9 +41,9 @@ class Config:
     mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self):
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
             raise ValueError(f"Config.microbatches must be a positive int, got {self.microbatches!r}")
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+        if not isinstance(self.virtual_stages, int) or isinstance(self.virtual_stages, bool) or self.virtual_stages < 1:
             raise ValueError(f"Config.virtual_stages must be a positive int, got {self.virtual_stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -50,14 +51,16 @@ class Config:
             check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
         except ValueError as e:
             raise ValueError(f"Config: {e}") from None
-        if self.scatter_gather not in (True, False, "auto"):
+        if not isinstance(self.scatter_gather, bool) and self.scatter_gather != "auto":
             raise ValueError(f"Config.scatter_gather must be True, False or 'auto', got {self.scatter_gather!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"Config.sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
-        if not isinstance(self.joint_graph, bool):
-            raise ValueError(f"Config.joint_graph must be True or False, got {self.joint_graph!r}")
+        for flag in ("fuse", "sequence_parallel", "compile", "joint_graph"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Config.{flag} must be True or False, got {getattr(self, flag)!r}")
+        for folder in ("trace_dir", "dump_dir"):
+            if getattr(self, folder) is not None and not isinstance(getattr(self, folder), (str, os.PathLike)):
+                raise ValueError(f"Config.{folder} must be a folder path (str) or None, got {getattr(self, folder)!r}")
         object.__setattr__(self, "overlap", tuple(self.overlap) if isinstance(self.overlap, (list, tuple)) else
                            self.overlap)
         known = list(OVERLAP_NAMES)
@@ -66,8 +69,8 @@ class Config:
                              f"{self.overlap!r}")
         if self.overlap and not self.joint_graph:
             raise ValueError(f"Config.overlap={self.overlap} reorders the joint programs: it needs joint_graph=True")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"Config.bucket_mb must be a number > 0 (megabytes), got {self.bucket_mb!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"Config.seed must be an int or None, got {self.seed!r}")
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
@@ -76,7 +79,8 @@ class Config:
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError(f"Config.mixed_precision must be an fxpar.MixedPrecision or None, got "
                              f"{self.mixed_precision!r}")
-        if not isinstance(self.check_replicas_every, int) or self.check_replicas_every < 0:
+        if not isinstance(self.check_replicas_every, int) or isinstance(self.check_replicas_every, bool) or \
+                self.check_replicas_every < 0:
             raise ValueError(f"Config.check_replicas_every must be an int >= 0, got {self.check_replicas_every!r}")
 
     @classmethod

@@ -5,7 +5,9 @@ which (meta[FXPAR_ORIGIN]) and how it is placed (meta[FXPAR_PLACEMENT]); this ra
 block of the original's value (Shard), or all of it (Replicate). Partial values (row-parallel GEMM outputs) are sums
 of all ranks' values and are checked after g, through their users. All tp ranks agree on the first diverging node
 and raise the same VerifyError. The passes after tensor parallelism (fusion, recompute) change nodes rather than
-placements: their result is checked on the outputs.
+placements: their result is checked on the outputs. A value that is memory nothing has written yet (an
+`empty_like` before the op that fills it, passes/ir/aliasing.py `unwritten`) holds whatever the allocator left on
+each process: it is not compared, and what the program reads after writing it is.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from fxpar.passes.ir.aliasing import unwritten
 from fxpar.passes.ir.meta import module_path
 from fxpar.passes.ir.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
 from fxpar.passes.ir.placements import Partial, Shard, local_shard
+from fxpar.runtime.ownership import is_released
 
 
 class VerifyError(AssertionError):
@@ -53,17 +57,26 @@ def _max_err(got, want) -> float:
 
 @torch.no_grad()
 def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, tol: float = 1e-5) -> float:
-    """Raise VerifyError at the first node whose value diverges beyond tol; returns the largest error seen."""
+    """Raise VerifyError at the first node whose value diverges beyond tol; returns the largest error seen.
+
+    The original program runs on `model`'s weights: an unmodified copy made before parallelize
+    (`reference = copy.deepcopy(model)`), which also checks the shards pm holds; or, where `model` is the one
+    parallelize consumed ([Note: one copy of the truth] in fxpar/runtime/ownership.py), on pm's own weights
+    gathered, which checks the rewrite."""
     compiled, comm = pm.compiled, pm.comm
     flat = pm.flatten_inputs(example_args, example_kwargs)
     reference = compiled.traced.gm
-    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    if is_released(model):  # the consumed model keeps its buffers (non-persistent ones pm does not gather)
+        state = dict(model.named_buffers(remove_duplicate=False)) | pm.full_tensors()
+    else:
+        state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     ref = _Recorder(reference)
     ref_out = ref.run(*resolve_inputs(graph_inputs(reference), state, compiled.traced.constants, flat))
     par = _Recorder(compiled.tp_graph)  # after tensor parallelism, before the passes that rename and fuse
     par.run(*pm.graph_inputs(flat))
     by_origin = {n.meta[FXPAR_ORIGIN]: n for n in compiled.tp_graph.graph.nodes if FXPAR_ORIGIN in n.meta}
-    order = [n.name for n in reference.graph.nodes if n.op not in ("placeholder", "output")]
+    blank = unwritten(reference.graph)  # allocated, not yet written: nothing to compare
+    order = [n.name for n in reference.graph.nodes if n.op not in ("placeholder", "output") and n not in blank]
     first, worst, detail = len(order) + 1, 0.0, ""  # len(order) stands for the final outputs
     for i, name in enumerate(order):
         node = by_origin.get(name)

@@ -12,6 +12,15 @@ def llama_labels():
     return model, (ids,), {**kwargs, "labels": ids}
 
 
+def llama_masked_labels():
+    """A Hugging Face Llama trained through its own loss on labels with ignored (-100) targets, a tensor of its own:
+    `fxpar check` draws a fresh mask of them for every microbatch and dp slice."""
+    model, (ids,), kwargs = models.build("llama")
+    labels = ids.clone()
+    labels[:, : ids.shape[1] // 2] = -100  # an instruction-tuning batch: the prompt's targets ignored
+    return model, (ids,), {**kwargs, "labels": labels}
+
+
 def refused():
     """A custom autograd.Function, whose backward a trace would drop: fxpar refuses it."""
     from tests.test_soundness import Reversed

@@ -21,14 +21,25 @@ standalone file. The grammar covers the op families the rules cover and the haza
     hazards      a parameter read twice (regularizer), a weight shared by two GEMMs, a sharded value returned,
                  a mode-dependent branch, dropout, token embeddings tied or not, sizes t divides and not, a
                  second input that aliases the first at trace time (the same tensor, an overlapping view, by
-                 keyword) and is distinct when called, or the reverse
+                 keyword) and is distinct when called, or the reverse; inputs laid out sequence-first (S, B, ...),
+                 as Megatron lays them out, transposed in the forward
+    refusals     in about one model of fifty, the MLP's hidden activation goes through a custom autograd.Function
+                 (a straight-through rounding, or an identity whose backward scales the gradient) whose `apply` is
+                 bound before the trace: in the layer's __init__, at module level, or by functools.partial. A
+                 trace keeps its forward only, so fxpar must refuse it: the source says so in `EXPECT_REFUSAL`, and
+                 the fuzzer counts any other outcome as a failure ("unrefused")
 
-The hazards added after the first grammar draw from a second generator (`_hazards(seed)`), and the looped blocks
-from a third, so the models of the seeds that came before keep their structure.
+`example(rows=2)` and `call(rows=2)` take the batch size: the fuzzer's loss mode calls them with a whole global
+batch (tests/fuzz.py --loss). The hazards added after the first grammar draw from a second generator
+(`_hazards(seed)`), and the looped blocks, the layout and the custom Functions from generators of their own, so
+the models of the seeds that came before keep their structure.
 """
 from __future__ import annotations
 
+import ast
+import linecache
 import random
+import re
 from dataclasses import dataclass, field
 
 
@@ -120,6 +131,24 @@ class _Layer:
         self.emit(f"{out} = {expr}")
         return out
 
+    def custom_function(self, h: str) -> str:
+        """h through the model's custom autograd.Function (FUNCTIONS), its `apply` reached as c["function"] says:
+        bound in __init__, at module level (the alias FUNCTIONS names), or by functools.partial."""
+        cls, way = self.c["function"]
+        _, const, alias = FUNCTIONS[cls]
+        out = self.code.name("q")
+        if way == "module":
+            self.emit(f"{out} = {alias}({const}, {h})")
+            return out
+        fn = self.code.name("fn")
+        if way == "init":
+            self.code.init.append(f"self.{fn} = {cls}.apply")
+            self.emit(f"{out} = self.{fn}({const}, {h})")
+        else:
+            self.code.init.append(f"self.{fn} = functools.partial({cls}.apply, {const})")
+            self.emit(f"{out} = self.{fn}({h})")
+        return out
+
     def dropout(self, h: str) -> str:
         if self.r.random() < 0.3:
             self.emit(f"{h} = F.dropout({h}, {self.c['p']}, self.training)")
@@ -154,6 +183,8 @@ class _Layer:
             self.emit(f"{h} = F.silu({g}) * {u}")
         else:
             h = self.act(self.gemm(x, H, F))
+        if self.c["function"]:
+            h = self.custom_function(h)
         if self.r.random() < 0.15:  # statistics of the hidden activation
             op = self.r.choice(["var(1, keepdim=True, unbiased=False)", "std(1, keepdim=True)", "mean(1, keepdim=True)",
                                 "norm(dim=1, keepdim=True)"])
@@ -301,6 +332,43 @@ def _config(r: random.Random) -> dict:
                 regularize=r.random() < 0.1, head=r.random() < 0.7, side=r.random() < 0.08)
 
 
+_STRAIGHT_THROUGH = '''
+class StraightThrough(torch.autograd.Function):
+    """Rounds to multiples of `step` in the forward; passes the gradient through unchanged in the backward."""
+
+    @staticmethod
+    def forward(ctx, step, x):
+        return torch.round(x / step) * step
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+'''
+_SCALED_GRAD = '''
+class ScaledGrad(torch.autograd.Function):
+    """The identity in the forward; scales the gradient by `scale` in the backward."""
+
+    @staticmethod
+    def forward(ctx, scale, x):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad * ctx.scale
+'''
+# class name -> (its source, its first argument, the module-level alias of its apply)
+FUNCTIONS = {"StraightThrough": (_STRAIGHT_THROUGH, "0.25", "straight_through"),
+             "ScaledGrad": (_SCALED_GRAD, "0.5", "scaled_grad")}
+EXPECTED = "custom autograd.Function"  # what fxpar's refusal of a model with one of FUNCTIONS names
+
+
+def expected_refusal(source: str) -> str | None:
+    """What fxpar must refuse a generated source for (its EXPECT_REFUSAL), or None."""
+    found = re.search(r"^EXPECT_REFUSAL = (.*?)(  #.*)?$", source, re.M)
+    return ast.literal_eval(found.group(1)) if found else None
+
+
 def _hazards(seed: int) -> random.Random:
     return random.Random(f"fxpar hazards {seed}")
 
@@ -312,14 +380,19 @@ def _inputs(c: dict, how: str, seed: int, by_name: bool) -> list[str]:
     """The lines of a function body returning (args, kwargs): the first input, and a second one (`aux`) that is a
     fresh tensor, the same tensor, or an overlapping view of the first's storage ([Note: inputs are traced
     distinct] in fxpar/trace.py)."""
-    H, S, V = c["H"], c["S"], c["vocab"]
-    fresh = f"torch.randint(0, {V}, (2, {S}), generator=g)" if V else f"torch.randn(2, {S}, {H}, generator=g)"
-    lines = [f"    g = torch.Generator().manual_seed({seed})",
-             f"    base = torch.randint(0, {V}, (2, {S} + 1), generator=g)" if V else
-             f"    base = torch.randn(2, {S} + 1, {H}, generator=g)",
-             "    inp = base[:, :-1]",
-             {"none": f"    aux = {fresh}", "same": "    aux = inp", "view": "    aux = base[:, 1:]"}[how]]
+    first, rest = ("[:-1]", "[1:]") if c["seq_first"] else ("[:, :-1]", "[:, 1:]")
+    lines = [f"    g = torch.Generator().manual_seed({seed})", f"    base = {_draw(c, c['S'] + 1)}",
+             f"    inp = base{first}",
+             {"none": f"    aux = {_draw(c, c['S'])}", "same": "    aux = inp", "view": f"    aux = base{rest}"}[how]]
     return lines + ["    return (inp,), {'aux': aux}" if by_name else "    return (inp, aux), {}"]
+
+
+def _draw(c: dict, tokens: int) -> str:
+    """A fresh input of `rows` rows (the function's parameter) over `tokens` tokens: ids, or activations of the
+    hidden size; (tokens, rows, ...) where the model takes its inputs sequence-first."""
+    size = f"{tokens}, rows" if c["seq_first"] else f"rows, {tokens}"
+    return f"torch.randint(0, {c['vocab']}, ({size}), generator=g)" if c["vocab"] else \
+        f"torch.randn({size}, {c['H']}, generator=g)"
 
 
 def generate(seed: int) -> str:
@@ -327,12 +400,25 @@ def generate(seed: int) -> str:
     r, hazards = random.Random(seed), _hazards(seed)
     c = _config(r)
     aliasing = hazards.random() < 0.25  # a second input, aliasing the first in the example or in the call
+    layout, functions = random.Random(f"fxpar layout {seed}"), random.Random(f"fxpar functions {seed}")
+    c["seq_first"] = layout.random() < 0.05
+    c["function"] = (functions.choice(sorted(FUNCTIONS)), functions.choice(["init", "module", "partial"])) \
+        if functions.random() < 0.02 else None
     layer = _Layer(r, c, hazards).build(c["carry"])
     loops = random.Random(f"fxpar loops {seed}")  # its own stream: the models of other seeds stay as they were
     c["loops"], c["no_grad"] = (2, loops.random() < 0.5) if loops.random() < 0.1 else (1, False)
     H, S, V = c["H"], c["S"], c["vocab"]
-    lines = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", "",
-             f"CONFIG = {c!r}", "", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    lines = ["import functools", "import math", "import torch", "import torch.nn as nn",
+             "import torch.nn.functional as F", "", f"CONFIG = {c!r}",
+             f"SEED = {seed}  # the generator's (tests/fuzz.py --loss draws the targets from it)"]
+    if c["function"]:
+        name, way = c["function"]
+        source, _, alias = FUNCTIONS[name]
+        lines += [f"EXPECT_REFUSAL = {EXPECTED!r}  # a trace keeps the Function's forward only", "",
+                  *source.splitlines(),
+                  *(["", "", f"{alias} = {name}.apply  # bound at module level, before any trace"] if way == "module"
+                    else [])]
+    lines += ["", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
     lines += [f"        {line}" for line in layer.init] or ["        pass"]
     lines += ["", "    def forward(self, x, prev):"] + [f"        {line}" for line in layer.body]
     lines += ["", "", "class Model(nn.Module):", "    def __init__(self):", "        super().__init__()",
@@ -344,7 +430,10 @@ def generate(seed: int) -> str:
         if c["tied"]:
             lines.append("        self.head.weight = self.wte.weight")
     forward = "    def forward(self, inp, aux=None):" if aliasing else "    def forward(self, inp):"
-    lines += ["", forward, "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
+    lines += ["", forward,
+              *[f"        {v} = {v}.transpose(0, 1)  # sequence-first inputs, as Megatron lays them out"
+                for v in ("inp", "aux")[:1 + aliasing] if c["seq_first"]],
+              "        x = self.wte(inp) if hasattr(self, 'wte') else inp",
               *(["        x = x + 0.5 * (self.wte(aux) if hasattr(self, 'wte') else aux)"] if aliasing else []),
               f"        prev = torch.zeros(x.shape[0], {c['heads']}, {S}, {S})", "        side = []",
               *([f"        with torch.set_grad_enabled({not c['no_grad']}):",  # the same layers applied twice
@@ -360,19 +449,21 @@ def generate(seed: int) -> str:
     if aliasing:  # traced with one aliasing of (inp, aux), called with another
         traced, called = hazards.sample(_ALIASINGS, 2)
         by_name = hazards.random() < 0.5
-        lines += ["def example():", *_inputs(c, traced, 1, by_name), "", "",
-                  "def call():  # the inputs the check calls with, after tracing with example()",
+        lines += ["def example(rows=2):", *_inputs(c, traced, 1, by_name), "", "",
+                  "def call(rows=2):  # the inputs the check calls with, after tracing with example()",
                   *_inputs(c, called, 2, by_name)]
     else:
-        lines += ["def example():", "    g = torch.Generator().manual_seed(1)",
-                  f"    return (torch.randint(0, {V}, (2, {S}), generator=g),), {{}}" if V else
-                  f"    return (torch.randn(2, {S}, {H}, generator=g),), {{}}"]
+        lines += ["def example(rows=2):", "    g = torch.Generator().manual_seed(1)",
+                  f"    return ({_draw(c, S)},), {{}}"]
     return "\n".join(lines) + "\n"
 
 
 def load(source: str):
     """(Model class, example function, call function) of a generated source, in a namespace of its own; the call
-    function gives the inputs to check with (the example's, unless the source defines `call`)."""
+    function gives the inputs to check with (the example's, unless the source defines `call`). The source's lines
+    go into linecache, so that a refusal or a traceback quotes the model's own line."""
     namespace: dict = {}
-    exec(compile(source, "<fxpar fuzz model>", "exec"), namespace)  # noqa: S102 - our own generated code
+    name = "<fxpar fuzz model>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    exec(compile(source, name, "exec"), namespace)  # noqa: S102 - our own generated code
     return namespace["Model"], namespace["example"], namespace.get("call", namespace["example"])

@@ -18,7 +18,7 @@ model: the forward, and every parameter after one SGD step. A row records
     why        for a layer above 2 + 2, the plan's note on it; else the first reason the plan gives for what stayed
                replicated, or the refusal / error
 
-    python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE] [--readme README.md]
+    python -m tests.hf_sweep [--only llama qwen2 ...] [--markdown FILE] [--json FILE] [--readme docs/supported.md]
     (`make sweep` writes all three)
 """
 from __future__ import annotations

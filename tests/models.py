@@ -1,6 +1,7 @@
 """Tiny models built from configs in code (nothing is downloaded): name -> (model, example_args, example_kwargs)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -11,6 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 VOCAB, BATCH, SEQ = 64, 2, 8
+# A float64 run against its float64 reference, after AdamW steps: AdamW's slope lr / eps at a zero gradient turns
+# the last bit of a summation order into 1e-5 of a weight in fp32 (another CPU, another bit), but float64's rounding
+# is 2^29 times smaller (measured gaps: 1e-13 and below); a wrong rewrite is off by far more.
+FLOAT64_TOL = 1e-10
 
 
 def _ids():
@@ -188,3 +193,15 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+@contextlib.contextmanager
+def float64_stays():
+    """Hugging Face's loss upcasts the logits with `.float()`, which would make it fp32 on a float64 model: here
+    `.float()` keeps float64 tensors as they are (as `fxpar check`'s float64 arbiter does)."""
+    upcast = torch.Tensor.float
+    torch.Tensor.float = lambda x, **kw: x if x.dtype == torch.float64 else upcast(x, **kw)
+    try:
+        yield
+    finally:
+        torch.Tensor.float = upcast

@@ -32,8 +32,12 @@ def test_sequence_parallelism_is_checked_and_its_ledger_counted():
     out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--sequence-parallel")
     assert out.returncode == 0, out.stdout + out.stderr
     ledger = out.stdout.split("communication per layer")[1]
-    assert ledger.count("2 seq_reduce_scatter") == 4 and ledger.count("2 seq_gather") == 4, ledger
-    assert ledger.count("1 seq_weights") == 5 and "ABOVE" not in ledger, ledger
+    # each collective under the pass that runs it, against Megatron's 4 + 6 with sequence parallelism
+    forward = "2 all-gather (seq_gather_linear), 2 reduce-scatter (seq_reduce_scatter)"
+    backward = "2 all-gather again (seq_gather_linear), 2 reduce-scatter (seq_gather_linear), 2 all-gather " \
+               "(seq_reduce_scatter)"
+    assert ledger.count(forward) == 4 and ledger.count(backward) == 4 and ledger.count("4 + 6") == 4, ledger
+    assert ledger.count("1 seq_weights") == 5 and "ABOVE" not in ledger and "2 + 2" not in ledger, ledger
 
 
 @pytest.mark.slow
@@ -47,6 +51,39 @@ def test_a_hugging_face_llama_with_labels_is_exact():
     out = _check("tests/check_targets.py:llama_labels", "--tp", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exact" in out.stdout and "model.layers.1" in out.stdout, out.stdout
+
+
+def test_uneven_valid_targets_are_checked_against_the_whole_batch():
+    """Labels with ignored targets: every microbatch draws its own mask, so their counts of valid targets differ,
+    and step() must equal the model on the whole batch on one process (a mean over all its valid targets)."""
+    out = _check("tests/check_targets.py:llama_masked_labels", "--tp", "2", "--microbatches", "2", "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exact" in out.stdout and "m=2" in out.stdout, out.stdout
+
+
+def test_each_microbatch_draws_its_own_mask_of_ignored_targets():
+    import torch
+
+    from fxpar.check import batch
+
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    counts, masks = [], set()
+    for step in range(8):
+        (got,), kw = batch((ids,), {"labels": labels, "input_ids": ids}, 4, step, seed=0)
+        assert kw["input_ids"] is got and kw["labels"] is not got  # the same tensor stays the same tensor
+        assert set(got.unique().tolist()) == set(ids.unique().tolist())  # token ids: the example's, shuffled
+        valid = kw["labels"] != -100
+        assert valid.any() and set(kw["labels"][valid].tolist()) <= set(labels[labels != -100].tolist())
+        counts += [int(v.sum()) for v in valid.chunk(4)]
+        masks |= {tuple(v.flatten().tolist()) for v in valid.chunk(4)}
+    # uneven counts, some microbatch with none, and masks drawn afresh (32 pieces: all but a few masks differ)
+    assert len(set(counts)) > 4 and 0 in counts and len(masks) > 24, (counts, len(masks))
+    # the same seed and step draw the same batch (every rank, and the reference, see it)
+    assert all(torch.equal(a, b) for a, b in zip(batch((labels,), {}, 4, 3, 0)[0], batch((labels,), {}, 4, 3, 0)[0]))
+    (none,), _ = batch((torch.full((1, 4), -100),), {}, 2, 0, 0)
+    assert (none == -100).all()  # nothing valid to draw from: left as it is
 
 
 def test_a_model_fxpar_refuses_exits_2_with_its_message():

@@ -1,12 +1,16 @@
 """fxpar.save / fxpar.load: sharded DCP checkpoints under the original keys and full shapes.
 
 Resume: train n steps straight; separately train k, save, build a fresh model (other weights), parallelize it at
-another layout, load, train n - k: the losses of steps k+1..n equal the straight run's (bitwise at the same layout,
-within 1e-6 across a reshard), with AdamW's state. Crash safety: a rank SIGKILLed mid-save leaves the previous
-checkpoint loadable and the partial one refused; damaged and mismatched checkpoints are refused naming what is wrong.
+another layout, load, train n - k: the losses of steps k+1..n equal the straight run's (bitwise at the same layout;
+across a reshard, in float64, within 1e-10), with AdamW's state. Float64 across a reshard: two layouts sum in two
+orders, and AdamW's first step, lr * g / (|g| + eps), has slope lr / eps at g = 0, which turns the last bit of a
+near-zero gradient into 1e-5 of a weight in fp32, a bit each CPU rounds its own way (tests/test_zero.py).
+Crash safety: a rank SIGKILLed mid-save leaves the previous checkpoint loadable and the partial one refused; damaged
+and mismatched checkpoints are refused naming what is wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -16,11 +20,12 @@ import torch
 
 from tests import models
 from tests.harness import RankFailure, module_pool
+from tests.models import float64_stays
 
 pool1 = module_pool(1)
 pool2 = module_pool(2)
 pool4 = module_pool(4)
-RESHARD_TOL = 1e-6
+RESHARD_TOL = models.FLOAT64_TOL  # float64: see the module docstring
 BATCH, STEPS, SAVED_AT = 4, 4, 2
 
 
@@ -34,11 +39,19 @@ def _batches(args):
     return [(x, torch.roll(x, -1, 1)) for x in ids]
 
 
-def _parallel(name, layout, fresh=False):
+def _precision(wide):
+    """Around a run whose model is in float64 (wide): `Tensor.float()` keeps float64."""
+    return float64_stays() if wide else contextlib.nullcontext()
+
+
+def _parallel(name, layout, fresh=False, wide=False):
+    """wide: the model in float64 (inside _precision(True))."""
     import fxpar
 
     p, t, d, v, zero, mp = layout
     model, args, kwargs = models.build(name)
+    if wide:
+        model.double()
     if fresh:  # other weights: loading must overwrite every one of them
         with torch.no_grad():
             for w in model.parameters():
@@ -62,28 +75,31 @@ def _train(pm, opt, batches, kwargs) -> list[float]:
     return losses
 
 
-def _straight(name, layout) -> list[float]:
+def _straight(name, layout, wide=False) -> list[float]:
     """The losses of STEPS steps, uninterrupted."""
-    pm, opt, args, kwargs = _parallel(name, layout)
-    return _train(pm, opt, _batches(args), kwargs)
+    with _precision(wide):
+        pm, opt, args, kwargs = _parallel(name, layout, wide=wide)
+        return _train(pm, opt, _batches(args), kwargs)
 
 
-def _save(name, path, layout) -> None:
+def _save(name, path, layout, wide=False) -> None:
     """SAVED_AT steps, then a checkpoint."""
     import fxpar
 
-    pm, opt, args, kwargs = _parallel(name, layout)
-    _train(pm, opt, _batches(args)[:SAVED_AT], kwargs)
-    fxpar.save(path, pm, optimizer=opt, extra={"step": SAVED_AT})
+    with _precision(wide):
+        pm, opt, args, kwargs = _parallel(name, layout, wide=wide)
+        _train(pm, opt, _batches(args)[:SAVED_AT], kwargs)
+        fxpar.save(path, pm, optimizer=opt, extra={"step": SAVED_AT})
 
 
-def _resume(name, path, layout) -> list[float]:
+def _resume(name, path, layout, wide=False) -> list[float]:
     """A fresh model (other weights) at `layout`, loaded from `path`, trained on from the saved step."""
     import fxpar
 
-    pm, opt, args, kwargs = _parallel(name, layout, fresh=True)
-    extra = fxpar.load(path, pm, optimizer=opt)
-    return _train(pm, opt, _batches(args)[extra["step"]:], kwargs)
+    with _precision(wide):
+        pm, opt, args, kwargs = _parallel(name, layout, fresh=True, wide=wide)
+        extra = fxpar.load(path, pm, optimizer=opt)
+        return _train(pm, opt, _batches(args)[extra["step"]:], kwargs)
 
 
 def _layout(p=1, t=1, d=1, v=1, zero=0, mp=False):
@@ -99,16 +115,17 @@ def _run(request, layout, fn, *args):
     return pool.run(fn, *args)
 
 
-_STRAIGHT: dict = {}  # (name, layout) -> the uninterrupted run's losses, computed once per module
+_STRAIGHT: dict = {}  # (name, layout, wide) -> the uninterrupted run's losses, computed once per module
 
 
 def _check_resume(request, tmp_path, name, before, after):
     path = str(tmp_path / "ckpt")
-    if (name, before) not in _STRAIGHT:
-        _STRAIGHT[name, before] = _run(request, before, _straight, name, before)[0][SAVED_AT:]
-    straight = _STRAIGHT[name, before]
-    _run(request, before, _save, name, path, before)
-    for resumed in _run(request, after, _resume, name, path, after):
+    wide = before != after  # float64 across a reshard (the module docstring)
+    if (name, before, wide) not in _STRAIGHT:
+        _STRAIGHT[name, before, wide] = _run(request, before, _straight, name, before, wide)[0][SAVED_AT:]
+    straight = _STRAIGHT[name, before, wide]
+    _run(request, before, _save, name, path, before, wide)
+    for resumed in _run(request, after, _resume, name, path, after, wide):
         gap = max(abs(a - b) for a, b in zip(straight, resumed))
         if before == after:
             assert resumed == straight, (straight, resumed)  # bitwise

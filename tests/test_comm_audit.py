@@ -1,6 +1,9 @@
-"""The plan's communication per layer (passes/sharding/comm_audit.py) against Megatron's 2 + 2, and low-rank pairs kept
+"""The plan's communication per layer (passes/sharding/comm_audit.py) against Megatron's 2 + 2 (with sequence
+parallelism 4 + 6, each collective under the pass that runs it), and low-rank pairs kept
 to Megatron's layout ([Note: low-rank pairs] in passes/sharding/analysis.py): golden plans on simulated ranks, numerics
 on threaded gloo ranks."""
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn as nn
@@ -73,7 +76,7 @@ def test_every_gpt_layer_costs_megatrons_two_and_two():
     assert [c.layer for c in inside] == ["h.0", "h.1"]
     assert all(len(c.forward) == 2 and len(c.backward) == 2 and not c.above_bound for c in inside)
     assert per_layer(plan.comm) == (2.0, 2.0) and not plan.above_bound
-    assert "activation all-reduces per layer" in str(plan) and "h.0..1" in plan.comm_table()
+    assert "activation collectives per layer" in str(plan) and "h.0..1" in plan.comm_table()
 
 
 def test_a_layer_above_the_bound_names_its_regions():
@@ -89,7 +92,7 @@ def test_a_layer_above_the_bound_names_its_regions():
 
 def test_one_process_and_replicated_models_have_no_audit():
     plan = build(Stack(MLP), TPComm(rank=0, size=1), (_x(),)).plan
-    assert plan.comm == () and "activation all-reduces" not in str(plan)
+    assert plan.comm == () and "activation collectives" not in str(plan)
 
 
 def test_a_low_rank_pair_keeps_its_down_projection_replicated():
@@ -120,3 +123,81 @@ def test_a_low_rank_pair_is_exact_and_sharded():
     for fwd, params, share in on_tp_ranks(model, (x,), measure):
         assert fwd <= 1e-5 and params <= 1e-5, (fwd, params)
         assert share < 0.56, share  # b and down split; a and the norms whole
+
+
+def _sequence_parallel_plan(name: str, **options):
+    import fxpar
+
+    model, args, kwargs = models.build(name)
+    return build(model, TPComm(rank=0, size=2), args, kwargs,
+                 config=fxpar.Config(sequence_parallel=True, **options))
+
+
+def test_sequence_parallel_collectives_are_listed_under_the_pass_that_runs_them():
+    """Each layer of the GPT at t=2 with sequence parallelism, as Korthikanti et al. (2022) lay out Megatron's: forward
+    2 all-gathers (into the column-parallel GEMMs) and 2 reduce-scatters (after the row-parallel ones); backward the
+    conjugates (2 reduce-scatters, 2 all-gathers) and the 2 saved blocks gathered again. Megatron's bound for the
+    layer is 4 + 6, not 2 + 2, and no layer is above it."""
+    plan = _sequence_parallel_plan("gpt").plan
+    inside = [c for c in plan.comm if c.layer != "outside the layers"]
+    assert [c.layer for c in inside] == ["h.0", "h.1"]
+    for c in inside:
+        assert Counter((x.op, x.kind) for x in c.forward) == {("all-gather", "seq_gather_linear"): 2,
+                                                              ("reduce-scatter", "seq_reduce_scatter"): 2}, c
+        assert Counter((x.op, x.kind) for x in c.backward) == {("all-gather again", "seq_gather_linear"): 2,
+                                                               ("reduce-scatter", "seq_gather_linear"): 2,
+                                                               ("all-gather", "seq_reduce_scatter"): 2}, c
+        assert [x.kind for x in c.small] == ["seq_weights"]
+        assert c.sequence and c.bound == (4, 6) and not c.above_bound
+    assert per_layer(plan.comm) == (4.0, 6.0) and not plan.above_bound
+    rows = [line.split() for line in plan.comm_table().splitlines()]
+    assert rows[2] == ["h.0..1", "4", "6", "1", "4", "+", "6"], plan.comm_table()
+
+
+def test_the_check_ledger_with_sequence_parallelism():
+    """`fxpar check --sequence-parallel`'s ledger on rank 0 of the GPT (b=2, s=8, h=32, fp32, m=1): forward all-gathers
+    read this rank's block (2x4x32), reduce-scatters the whole partial sum (2x8x32); the Megatron column is 4 + 6."""
+    from fxpar.check import CheckResult, CheckSpec
+    from fxpar.cli.check_command import ledger
+
+    pm = _sequence_parallel_plan("gpt")
+    text = ledger(CheckResult("exact", CheckSpec("gpt", sequence_parallel=True), ledger=list(pm.plan.comm)))
+    layer = ("2 all-gather (seq_gather_linear), 2 reduce-scatter (seq_reduce_scatter)  6.0 KiB       "
+             "2 all-gather again (seq_gather_linear), 2 reduce-scatter (seq_gather_linear), 2 all-gather "
+             "(seq_reduce_scatter)  8.0 KiB       1 seq_weights")
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert lines[2].startswith(f"h.0                 {layer}") and lines[2].endswith("0.1 KiB       4 + 6"), text
+    assert lines[3].startswith(f"h.1                 {layer}") and lines[3].endswith("0.1 KiB       4 + 6"), text
+    assert lines[4].startswith("outside the layers  1 all-gather (seq_gather_linear), 1 gather"), text
+    assert "1 all-gather again (seq_gather_linear), 1 reduce-scatter (seq_gather_linear)" in lines[4], text
+    assert lines[4].endswith("-"), text
+    assert lines[5] == ("Megatron with sequence parallelism (Korthikanti et al. 2022), per layer: forward 2 all-gather, "
+                        "2 reduce-scatter; backward 2 all-gather again, 2 reduce-scatter, 2 all-gather (the "
+                        "conjugates, and the column-parallel GEMMs' saved blocks gathered again)"), text
+    assert "ABOVE" not in text
+
+
+def test_the_check_ledger_without_sequence_parallelism_is_megatrons_two_and_two():
+    from fxpar.check import CheckResult, CheckSpec
+    from fxpar.cli.check_command import ledger
+
+    model, args, kwargs = models.build("gpt")
+    pm = build(model, TPComm(rank=0, size=2), args, kwargs)
+    lines = [line.split() for line in
+             ledger(CheckResult("exact", CheckSpec("gpt"), ledger=list(pm.plan.comm))).splitlines()]
+    assert lines[2] == ["h.0", "2", "g", "4.0", "KiB", "2", "f", "4.0", "KiB", "-", "-", "2", "+", "2"], lines
+    assert len(lines) == 5  # no legend
+
+
+@pytest.mark.parametrize("name, options", [("gpt2", {}), ("llama", {"recompute": "selective"})])
+def test_the_audit_names_the_all_gathers_that_run_joined_with_their_gemms(name, options):
+    """The audit reads the graph right after tensor parallelism; gathered_gemms_pass joins an all-gather with its
+    GEMMs later (saving the block, gathering it again in backward). The audit's seq_gather_linear are the joined ops
+    of the program that runs, its seq_gather the ones left alone (GPT-2's LM head reads its gather through a view)."""
+    from fxpar.passes.ir.meta import Comm, comm_kind
+
+    pm = _sequence_parallel_plan(name, **options)
+    ran = Counter(comm_kind(n) for n in pm.compiled.gm.graph.nodes)
+    said = Counter(x.kind for c in pm.plan.comm for x in c.forward)
+    assert said[Comm.SEQ_GATHER_LINEAR] == ran[Comm.SEQ_GATHER_LINEAR] > 0, (said, ran)
+    assert said[Comm.SEQ_GATHER] == ran[Comm.SEQ_GATHER], (said, ran)

@@ -2,9 +2,10 @@
 
 On a simulated rank: which weights share a bucket, the variant graph, and the collectives of its backward program
 (each bucket a functional all-reduce, issued while the rest of the backward runs). Over gloo at d=2, against the
-single-process model: exact to 1e-5 after SGD and AdamW steps, with microbatches and small buckets, the distributed
-optimizer, inductor, and a weight no gradient reaches; bf16 with fp32 main gradients equals the default executable's
-training bit for bit; and the functional collectives the dispatcher runs are the plan's, the dp row once a step.
+single-process model: exact to 1e-5 after SGD steps in fp32 and to 1e-10 after AdamW steps in float64
+(tests/test_zero.py says why), with microbatches and small buckets, the distributed optimizer, inductor, and a
+weight no gradient reaches; bf16 with fp32 main gradients equals the default executable's training bit for bit;
+and the functional collectives the dispatcher runs are the plan's, the dp row once a step.
 """
 import copy
 import contextlib
@@ -173,10 +174,10 @@ def test_d2_is_exact_and_counts_what_runs(pool2, name, config):
 @pytest.mark.gloo
 @pytest.mark.parametrize("zero", [0, 1])
 def test_adamw_and_the_distributed_optimizer(pool2, zero):
-    """m=2 AdamW steps of a Llama at d=2: each bucket all-reduced, or reduce-scattered into the pieces."""
+    """m=2 AdamW steps of a Llama at d=2 in float64: each bucket all-reduced, or reduce-scattered into the pieces."""
     for loss_gap, state_gap, _, _ in pool2.run(_adamw, "llama", 1, 1, 2, zero, 5, joint_graph=True, overlap=ALL,
                                                        bucket_mb=0.01):
-        assert loss_gap <= 1e-5 and state_gap <= 1e-5, (loss_gap, state_gap)
+        assert loss_gap <= models.FLOAT64_TOL and state_gap <= models.FLOAT64_TOL, (loss_gap, state_gap)
 
 
 def _mixed(zero: int, reduce: str):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz import BAD, Threaded, fuzz_jobs, report, run_one
-from tests.fuzz_models import generate
+from tests.fuzz import BAD, Threaded, fuzz_jobs, run_one
+from tests.fuzz_cli import report
+from tests.fuzz_models import EXPECTED, generate
 
 BATCH = 300
 REGRESSIONS = sorted((Path(__file__).parent / "fuzz_regressions").glob("*.py"))
@@ -41,12 +42,24 @@ def test_a_fixed_batch_through_the_joint_programs(tmp_path, monkeypatch):
     assert counts["exact, sharded"] >= JOINT_BATCH // 2 and counts["p=2 chained: exact"] >= JOINT_BATCH // 3, text
 
 
+@pytest.mark.slow
+def test_a_fixed_batch_trained_with_a_token_loss(tmp_path, monkeypatch):
+    """Seeds 0..39 with --loss: pm.step at t=2 d=2 m=2 on uneven ignore masks, against one process."""
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2})  # the job processes get --loss --dp 2
+    summary = fuzz_jobs(0, JOINT_BATCH, jobs=2, out_dir=str(tmp_path))
+    counts, text = summary["counts"], report(summary, JOINT_BATCH, 0, 0.0)
+    assert not summary["failures"] and sum(counts[k] for k in BAD) == 0, text
+    assert counts["exact"] + counts["refused"] + counts["skipped"] == JOINT_BATCH, text
+    assert counts["exact, sharded"] >= JOINT_BATCH // 2, text
+
+
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_a_failure_the_fuzzer_found_stays_fixed(path, monkeypatch):
     source = path.read_text()
-    options = re.search(r"^FUZZ_OPTIONS = (.*)$", source, re.M)  # the Config fields it was found with
-    if options:
-        monkeypatch.setattr("tests.fuzz.OPTIONS", ast.literal_eval(options.group(1)))
+    for name in ("OPTIONS", "LOSS"):  # the mode it was found in: Config fields, --loss (as tests/fuzz.py saves it)
+        found = re.search(rf"^FUZZ_{name} = (.*)$", source, re.M)
+        if found:
+            monkeypatch.setattr(f"tests.fuzz.{name}", ast.literal_eval(found.group(1)))
     with Threaded():
         result = run_one(source)
     assert result["outcome"] in ("exact", "refused"), result
@@ -60,7 +73,8 @@ def test_the_generator_is_deterministic_and_varied():
                 "scaled_dot_product_attention", "masked_fill", "self.head", "nn.Embedding", "F.dropout",
                 "self.training", "unbind", "rsqrt", ".var(", "enable_gqa=True", "[:, :, None].expand",
                 ".split([", "'bhij,bhjd->bhid'", "torch.autocast('cpu', enabled=False)", "nn.Conv1d(",
-                "torch.zeros_like(", "F.pad(", "], dim=-1).transpose(1, 2))"]
+                "torch.zeros_like(", "F.pad(", "], dim=-1).transpose(1, 2))", "EXPECT_REFUSAL = ",
+                "transpose(0, 1)  # sequence-first"]
     missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
     assert not missing, missing
 
@@ -90,3 +104,87 @@ def test_the_fuzzer_catches_inputs_traced_as_one_value(monkeypatch):
     with Threaded():
         result = run_one(generate(seed))
     assert result["outcome"] == "mismatch", result
+
+
+# ---- the modes (tests/fuzz.py's docstring): one fixed seed each ---------------------------------------------------
+def _config_of(seed: int) -> dict:
+    return ast.literal_eval(re.search(r"^CONFIG = (.*)$", generate(seed), re.M).group(1))
+
+
+LOSS_SEED = 15  # at d=2 m=2 its microbatches hold 0, 0, 0 and 5 valid targets
+
+
+def test_a_token_loss_with_uneven_ignore_masks_trains_as_the_whole_batch(monkeypatch):
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2})
+    with Threaded():
+        result = run_one(generate(LOSS_SEED))
+    assert result["outcome"] == "exact" and result.get("sharded"), result
+    assert "valid targets per microbatch [0, 0, 0, 5]" in result["detail"], result["detail"]
+
+
+def test_the_loss_mode_catches_microbatches_weighted_equally(monkeypatch):
+    """Sabotage the whole-batch normalization (each microbatch's loss weighted 1/m, as before it): a mismatch."""
+    from fxpar.runtime.pipeline_executable import PipelineModule
+
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2})
+    monkeypatch.setattr(PipelineModule, "_loss_weights", lambda self, *args: None)
+    with Threaded():
+        result = run_one(generate(LOSS_SEED))
+    assert result["outcome"] == "mismatch", result
+
+
+def test_the_loss_mode_skips_a_model_whose_inputs_are_not_batch_first(monkeypatch):
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2})
+    seed = next(s for s in range(100) if _config_of(s)["seq_first"])
+    result = run_one(generate(seed))
+    assert result["outcome"] == "skipped" and "not batch-first" in result["reason"], result
+
+
+@pytest.mark.parametrize("way", ["init", "module", "partial"])
+def test_a_custom_function_is_refused_as_expected(way):
+    seed = next(s for s in range(1000) if (_config_of(s)["function"] or ("", ""))[1] == way)
+    with Threaded():
+        result = run_one(generate(seed))
+    assert result["outcome"] == "refused" and result.get("expected") == EXPECTED, result
+
+
+def test_a_custom_function_not_refused_is_a_failure(monkeypatch):
+    """Undo [Note: every Function seen] (fxpar/guard.py): the Function's backward is dropped, and the fuzzer says so."""
+    import contextlib
+
+    import fxpar.trace as trace
+
+    monkeypatch.setattr(trace, "watch_trace", lambda: contextlib.nullcontext([]))
+    seed = next(s for s in range(1000) if (_config_of(s)["function"] or ("",))[0] == "ScaledGrad")
+    with Threaded():
+        result = run_one(generate(seed))
+    assert result["outcome"] == "unrefused" and "unrefused" in BAD, result
+
+
+@pytest.mark.parametrize("options", [{"recompute": "selective"}, {"recompute": "full"}, {"fuse": False},
+                                     {"joint_graph": True, "overlap": ()}])
+def test_a_config_mode_on_one_model(options, monkeypatch):
+    monkeypatch.setattr("tests.fuzz.OPTIONS", options)
+    with Threaded():
+        result = run_one(generate(0))
+    assert result["outcome"] == "exact" and result.get("pipeline") == "exact", result
+
+
+def test_the_config_options_parse_as_their_fields_and_back(monkeypatch):
+    import argparse
+
+    from tests.fuzz import mode_argv
+    from tests.fuzz_cli import config_option
+
+    given = ["recompute=full", "fuse=false", "overlap=early_collectives,dp_buckets", "seed=none", "bucket_mb=0.5",
+             "scatter_gather=auto", "overlap="]
+    parsed = dict(config_option(text) for text in given)
+    assert parsed == {"recompute": "full", "fuse": False, "overlap": (), "seed": None, "bucket_mb": 0.5,
+                      "scatter_gather": "auto"}
+    monkeypatch.setattr("tests.fuzz.OPTIONS", parsed)
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2})
+    argv = mode_argv()
+    assert dict(config_option(v) for v in argv[1:-3:2]) == parsed and argv[-3:] == ["--loss", "--dp", "2"]
+    for bad in ["fuse=maybe", "mixed_precision=bfloat16", "nothing=1", "recompute"]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            config_option(bad)

@@ -119,7 +119,7 @@ def _modes_and_arguments():
     model = Branchy(p=0.5)
     x = torch.randn(2, 8, 16)
     traced = {"scale": 2.0, "double": False}
-    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=(x,), example_kwargs=traced)
+    pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=2), example_args=(x,), example_kwargs=traced)
     out = {}
     pm.eval(), model.eval()
     out["eval"] = (pm(x, **traced) - model(x)).abs().max().item()
@@ -134,7 +134,7 @@ def _modes_and_arguments():
     out["train_draws"] = (a - b).abs().max().item()  # dropout active: two calls draw different masks
     torch.manual_seed(0)
     model2 = Branchy(p=0.5).eval()  # traced in eval mode, trained later
-    pm2 = fxpar.parallelize(model2, fxpar.init_mesh(tp=2), example_args=(x,))
+    pm2 = fxpar.parallelize(copy.deepcopy(model2), fxpar.init_mesh(tp=2), example_args=(x,))
     out["eval_traced"] = (pm2(x) - model2(x)).abs().max().item()
     pm2.train()
     out["eval_traced_then_train"] = (pm2(x) - model2(x)).abs().max().item()
@@ -155,7 +155,7 @@ def _buffer_changes():
     torch.manual_seed(0)
     model = CausalBuffer()
     x = torch.randn(2, 8, 16)
-    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=(x,))
+    pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=2), example_args=(x,))
     fused = "scaled_dot_product_attention" in pm.graph_module.code
     with torch.no_grad():
         for m in (model, pm):
@@ -177,7 +177,7 @@ def _state_loading():
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn_like(p))
-    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=(ids,))
+    pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=2), example_args=(ids,))
     out = {}
     pm.load_state_dict(other.state_dict())
     want = other(ids)  # large logits (perturbed weights): compared relative to their size

@@ -1,5 +1,6 @@
 """Exactness over gloo: every tensor-parallel rewrite equals the single-process model (forward, and every parameter
-after an SGD step, which checks every gradient) within 1e-5 in fp32, and communicates only Megatron's f and g."""
+after an SGD step, which checks every gradient) within 1e-5 in fp32, and communicates only Megatron's f and g; 20
+AdamW steps' losses within 1e-10 in float64 (tests/test_zero.py says why)."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,7 @@ import torch
 
 from tests import models
 from tests.harness import module_pool
+from tests.models import float64_stays
 
 pool2 = module_pool(2)
 pool4 = module_pool(4)
@@ -42,9 +44,16 @@ def _errors(name: str, t: int):
 
 
 def _adamw_losses(name: str, steps: int):
+    """The losses of `steps` AdamW steps at t=2 and on one process, in float64 (tests/test_zero.py says why)."""
+    with float64_stays():
+        return _adamw_losses_float64(name, steps)
+
+
+def _adamw_losses_float64(name: str, steps: int):
     import fxpar
 
     model, args, kwargs = models.build(name)
+    model.double()
     reference = copy.deepcopy(model)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs)
     losses = []
@@ -107,7 +116,7 @@ def test_t4_exact(pool4, name):
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_adamw_20_steps(pool2, name):
     parallel, single = pool2.run(_adamw_losses, name, 20)[0]
-    assert max(abs(a - b) for a, b in zip(parallel, single)) <= 1e-4, (parallel, single)
+    assert max(abs(a - b) for a, b in zip(parallel, single)) <= models.FLOAT64_TOL, (parallel, single)
     assert single[-1] < single[0]  # it trained
 
 

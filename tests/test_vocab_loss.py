@@ -94,17 +94,14 @@ def _train(name, loss, p, t, m=2, steps=2, hf_labels=False, example_target=True)
                            loss_fn=loss_fn, config=config,
                            example_target=target[: args[0].shape[0]] if example_target and target is not None
                            else None)
-    # step() averages the microbatches' losses (a mean over the non-ignored targets of each): so does the reference
-    pieces = {k: v.chunk(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch_kwargs.items()}
-    micro = [(ids.chunk(m)[i], {k: v[i] for k, v in pieces.items()}, None if target is None else target.chunk(m)[i])
-             for i in range(m)]
+    # step() equals one process on the whole batch, a token mean over the batch's non-ignored targets included
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
     loss_gap = 0.0
     for _ in range(steps):
         opt.zero_grad(), ref_opt.zero_grad()
         with _Collectives() as comms:
             got = pm.step(ids, target=target, **batch_kwargs)
-        want = sum(loss_fn(reference(ids_i, **kw_i), target_i) for ids_i, kw_i, target_i in micro) / m
+        want = loss_fn(reference(ids, **batch_kwargs), target)
         want.backward()
         opt.step(), ref_opt.step()
         loss_gap = max(loss_gap, abs(got.item() - want.item()))

@@ -3,7 +3,9 @@
 Trains the parallel model for --steps optimizer steps (AdamW) beside the unmodified model on one process, on the
 same batches, on this machine's CPU (fxpar/check.py: the ranks are local processes over gloo, no torchrun). Prints
 each step's two losses and the largest parameter difference, then the communication ledger: every layer's
-collectives against Megatron's 2 all-reduces forward and 2 backward, with the plan's reason for any layer above.
+collectives, each under the pass that runs it, against Megatron's (2 all-reduces forward and 2 backward; with
+sequence parallelism 2 all-gathers and 2 reduce-scatters forward, their conjugates and 2 all-gathers of the saved
+blocks backward: 4 + 6), with the plan's reason for any layer above.
 
 TARGET is path/file.py:factory or module:factory; factory() returns (model, example_args[, example_kwargs[,
 loss]]), loss(output, *args, **kwargs) -> the scalar loss of one microbatch, given its inputs too (default:
@@ -49,8 +51,9 @@ def add_parser(sub) -> None:
 
 
 def ledger(result) -> str:
-    """Every layer's collectives per step, next to Megatron's count, with the plan's reason above it."""
-    from fxpar.passes.sharding.comm_audit import BOUND, OUTSIDE
+    """Every layer's collectives per step, each under the pass that runs it, next to Megatron's count for the layer's
+    layout, with the plan's reason above it."""
+    from fxpar.passes.sharding.comm_audit import MEGATRON, OUTSIDE
 
     per_step = result.spec.m * result.bytes_per_element
 
@@ -59,16 +62,24 @@ def ledger(result) -> str:
         return f"{total / 2**10:.1f} KiB" if total else "-"
 
     def kinds(cs) -> str:
-        return ", ".join(f"{n} {k}" for k, n in Counter(c.kind for c in cs).items()) or "-"
+        return ", ".join(f"{n} {k}" for k, n in Counter(c.what for c in cs).items()) or "-"
 
     rows = []
     for c in result.ledger:
-        megatron = "-" if c.layer == OUTSIDE else f"{BOUND} + {BOUND}"
+        megatron = "-" if c.layer == OUTSIDE else " + ".join(map(str, c.bound))
         mark = "ABOVE: " + c.note if c.above_bound else ""
         rows.append([c.layer, kinds(c.forward), size(c.forward), kinds(c.backward), size(c.backward),
                      kinds(c.small), size(c.small), megatron, mark])
     head = ["layer", "forward", "bytes/step", "backward", "bytes/step", "small", "bytes/step", "Megatron", ""]
-    return tabulate(rows, head) if rows else "(no collectives: t=1)"
+    if not rows:
+        return "(no collectives: t=1)"
+    forward, backward = MEGATRON[True]
+    legend = [] if not any(c.sequence for c in result.ledger) else [
+        "Megatron with sequence parallelism (Korthikanti et al. 2022), per layer: forward "
+        + ", ".join(f"{n} {op}" for op, n in forward.items()) + "; backward "
+        + ", ".join(f"{n} {op}" for op, n in backward.items())
+        + " (the conjugates, and the column-parallel GEMMs' saved blocks gathered again)"]
+    return "\n".join([tabulate(rows, head), *legend])
 
 
 def report(result) -> str:

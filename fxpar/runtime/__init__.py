@@ -12,4 +12,5 @@
     clip.py                 clipping by the global norm of the whole (p, t, d) model
     replicas.py             pm.check_replicas(): replicas are checked, not hoped for
     measure.py              the bytes autograd saves for backward
+    ownership.py            parallelize consumes the model: its parameters released, one copy of the weights
 """

@@ -115,7 +115,8 @@ class GradBuckets:
         if not self.bucket:
             return
         if self.zero is not None:
-            flat = self.zero.layout(self.bucket).to(self.dtype or torch.float32)
+            flat = self.zero.layout(self.bucket)  # fp32 at least; float64 stays float64
+            flat = flat.to(self.dtype or torch.promote_types(flat.dtype, torch.float32))
             mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
             work = None if self.g.dp == 1 else \
                 dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)

@@ -149,7 +149,7 @@ class ParallelModule(nn.Module):
                              groups.dp if groups is not None else 1) if joint else ()
         return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
                          program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()), table,
-                         ESTIMATE_ON)
+                         ESTIMATE_ON, program.normalization.line() if program.normalization else "")
 
     def dp_programs(self, program: Compiled) -> list:
         """The joint programs of this rank's chunks' last microbatches that reduce gradients over dp (pm.step's:

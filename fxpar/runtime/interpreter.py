@@ -130,8 +130,11 @@ class Runtime:
         self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.post_receive,
                          SEND_B: self.send_backward, RECV_B: self.post_receive}
 
-    def run(self, microbatches: list, targets: list) -> torch.Tensor:
+    def run(self, microbatches: list, targets: list, weights: list[float] | None = None) -> torch.Tensor:
+        """weights: each microbatch loss's weight (default 1 / m; [Note: whole-batch semantics] in
+        passes/frontend/token_count.py)."""
         self.inputs, self.targets, self.m = microbatches, targets, len(microbatches)
+        self.weights = weights
         self.saved, self.grads_in, self.handoff = {}, {}, {}
         # float64 on every stage, whatever the model's dtype: the stages all-reduce it, and only the last adds to it
         self.loss = torch.zeros((), dtype=torch.float64, device=self.g.device)
@@ -164,8 +167,11 @@ class Runtime:
             lambda: self.stage.run_chunk(chunk, received, self.inputs[a.microbatch], last), self.state)
         self.stats.saved_bytes[(a.chunk, a.microbatch)] = saved
         if not chunk.boundary_out:  # the last chunk: its output is the model's output
-            loss = self.stage.loss(outs, self.targets[a.microbatch]) / self.m
-            self.loss = self.loss + loss.detach()
+            loss = self.stage.loss(outs, self.targets[a.microbatch])
+            weight = None if self.weights is None else self.weights[a.microbatch]
+            loss = loss / self.m if weight is None else loss * weight
+            if weight != 0:  # no valid target: its loss is 0/0, and it adds nothing (its backward seeds zeros)
+                self.loss = self.loss + loss.detach()
             outs = [loss if self.loss_scale is None else loss * self.loss_scale]
         elif rank_of_chunk(a.chunk + 1, self.g.pp) == self.g.pp_rank:
             self.handoff[(F, a.chunk, a.chunk + 1, a.microbatch)] = outs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections import Counter
 
 import torch
@@ -144,10 +145,11 @@ class PipelineModule(ParallelModule):
                 received = stage.run_chunk(stage.chunks[i], received, flat)
             return pytree.tree_unflatten(received, stage.program.traced.out_spec)
 
-    def _microbatches(self, args, kwargs, target) -> list[tuple[list, list, object]]:
-        """This dp rank's m microbatches of the global batch: (model inputs, inputs with the target, target) each,
-        flat ([Note: the loss is traced] in fxpar/trace.py)."""
+    def _microbatches(self, args, kwargs, target, dp_rank: int | None = None) -> list[tuple[list, list, object]]:
+        """The m microbatches of dp rank `dp_rank`'s slice (default: this rank's) of the global batch: (model inputs,
+        inputs with the target, target) each, flat ([Note: the loss is traced] in fxpar/trace.py)."""
         g, m = self.groups, self.config.microbatches
+        dp_rank = g.dp_rank if dp_rank is None else dp_rank
         example, want = self._programs.example(with_loss=False)
         flat, spec = self.traced.flatten(args, kwargs)
         if spec != want:
@@ -163,7 +165,7 @@ class PipelineModule(ParallelModule):
                     f"fxpar step: global batch {x.shape[0]} is not divisible by dp*microbatches = {g.dp}*{m} = "
                     f"{g.dp * m}; use a batch that is a multiple of {g.dp * m}"
                 )
-            return list(x.chunk(g.dp, dim=0)[g.dp_rank].chunk(m, dim=0))
+            return list(x.chunk(g.dp, dim=0)[dp_rank].chunk(m, dim=0))
 
         pieces = [split(x) for x in flat]
         micro = [[p[i] for p in pieces] for i in range(m)]
@@ -193,9 +195,33 @@ class PipelineModule(ParallelModule):
                 self._planned, self.plan = program, self.make_plan(program)
             self.check_weights(stage.program, stage.chunks.values())
             inputs = [with_target if program.traced.with_loss else model for model, with_target, _ in micro]
-            return self._step(stage, inputs, [tgt for _, _, tgt in micro])
+            weights = self._loss_weights(program, micro, args, kwargs, target)
+            return self._step(stage, inputs, [tgt for _, _, tgt in micro], weights)
 
-    def _step(self, stage: Stage, micro: list, targets: list) -> torch.Tensor:
+    def _loss_weights(self, program, micro: list, args, kwargs, target) -> list[float] | None:
+        """Each of this rank's microbatch losses' weight: n_i * d / N for a token-mean loss ([Note: whole-batch
+        semantics] in passes/frontend/token_count.py), counted on the global batch every rank holds; None (1 / m
+        each) where the counts are all equal or the normalization is not proven (said once, at the first step)."""
+        g, norm = self.groups, program.normalization
+        if g.dp * len(micro) == 1:
+            return None
+        if norm is None or norm.count is None:
+            if not self.__dict__.get("_warned_normalization"):
+                self.__dict__["_warned_normalization"] = True
+                why = norm.why if norm is not None else program.traced.loss_note or "the loss is not traced"
+                warnings.warn(f"fxpar step: each of the {g.dp * len(micro)} microbatch losses (dp={g.dp}, "
+                              f"m={len(micro)}) is weighted equally, which equals the whole batch's loss only when "
+                              f"every microbatch is normalized by the same count ({why}). pm.plan says the same.",
+                              stacklevel=3)
+            return None
+        counts = [[norm.count(with_target) for _, with_target, _ in
+                   (micro if j == g.dp_rank else self._microbatches(args, kwargs, target, j))] for j in range(g.dp)]
+        total = sum(map(sum, counts))
+        if total == 0 or len({n for row in counts for n in row}) == 1:
+            return None  # all ignored (the loss is NaN, as on one process), or the microbatch mean is the same
+        return [n * g.dp / total for n in counts[g.dp_rank]]
+
+    def _step(self, stage: Stage, micro: list, targets: list, weights: list[float] | None = None) -> torch.Tensor:
         self.stats = Stats()
         p2p = P2P(self.groups, stage.program.program, self.scatter_gather, self.stats)
         zero = self.zero_optimizer
@@ -207,7 +233,7 @@ class PipelineModule(ParallelModule):
         buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self.weights.grads,
                               zero, mp.reduce_dtype if mp is not None else None, self.program_buckets(stage))
         loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
-                       scaler.scale if scaler is not None else None).run(micro, targets)
+                       scaler.scale if scaler is not None else None).run(micro, targets, weights)
         for key, group in self._tied.items():
             grad = self.weights.grads.get(self.weights.live[key]) if zero is None else zero.main[key].grad
             if grad is not None:

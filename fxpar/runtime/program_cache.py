@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpar.compiler import Compiled, Target, compile_model
+from fxpar.runtime.ownership import traceable
 
 log = logging.getLogger("fxpar")
 MANY_PROGRAMS = 8  # warn past this many: an argument that changes every call would recompile every call
@@ -126,7 +127,8 @@ class Programs:
         buffers = {**dict(model.named_buffers(remove_duplicate=False)), **buffers}
         model.train(training)
         try:
-            program = compile_model(model, args, kwargs, target, first.config, buffers, loss=loss)
+            with traceable(model):  # the model's parameters were handed over ([Note: one copy of the truth])
+                program = compile_model(model, args, kwargs, target, first.config, buffers, loss=loss)
         finally:
             model.train(was_training)
         if program.specs != first.specs:

@@ -43,7 +43,7 @@ class DistributedOptimizer(WrappedOptimizer):
             )
         g = pm.groups
         self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.weights.grads
-        self.main = {k: torch.nn.Parameter(pieces(p.detach().reshape(-1).float(), self.d)[self.r].clone())
+        self.main = {k: torch.nn.Parameter(pieces(_at_least_fp32(p.detach().reshape(-1)), self.d)[self.r].clone())
                      for k, p in trainable(pm).items()}
         super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
         self._key_of = {p: k for k, p in self.params.items()}
@@ -103,3 +103,9 @@ class DistributedOptimizer(WrappedOptimizer):
             out.append(rows[:, offset:offset + m.numel()].reshape(-1)[:p.numel()].view(p.shape))
             offset += m.numel()
         return out
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 main copies of low-precision parameters; a float64 parameter keeps float64 (a float64 run must not take
+    fp32's rounding from its optimizer)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -7,4 +7,5 @@
     grouped_gemm.py   mixture-of-experts GEMMs (a 3-D weight slice per expert) as fxpar's grouped ops
     unfuse.py         a fused projection cut into one GEMM per part, on row blocks of its weight (one K/V head)
     layers.py         what a transformer layer is: the repeated blocks of the module tree
+    token_count.py    a token-mean loss proven, and what counts its valid targets (whole-batch semantics)
 """

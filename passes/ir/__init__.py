@@ -3,6 +3,7 @@
     meta.py           typed node metadata: GraphInput records, placement / collective / fusion tags, one resolver;
                       the collective kinds (Comm) and their one table
     placements.py     Replicate, Partial, Shard (with the head-interleaved layout)
-    aliasing.py       which values may share storage and which ops write into it (from the ops' schemas)
+    aliasing.py       which values may share storage and which ops write into it (from the ops' schemas); which
+                      are memory nothing has written yet (`unwritten`)
     op_families.py    the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...)
 """

@@ -5,11 +5,15 @@ arguments it writes (`index_put_(Tensor(a!) self, ...)`). A value's roots are th
 in: an op with a fresh result is its own root; a view's roots are its source's; anything the schema cannot tell
 (a call_module, a Python function, an op without a schema) is a root itself and may alias each of its inputs.
 Graph inputs and attributes may alias one another (a caller can pass one tensor twice); fresh results alias
-nothing made before them.
+nothing made before them. `unwritten(graph)`: the values that are memory no op has written yet (`empty_like`).
 """
 from __future__ import annotations
 
-from torch.fx import Node
+import operator
+
+from torch.fx import Graph, Node
+
+from fxpar.passes.ir.op_families import UNINITIALIZED, returns_view
 
 
 def _schema(n: Node):
@@ -76,4 +80,27 @@ def writes(n: Node) -> list[Node] | None:
     return written or None
 
 
-__all__ = ["Storage", "writes"]
+def unwritten(graph: Graph) -> set[Node]:
+    """The nodes whose value is memory nothing has written yet: the result of an UNINITIALIZED op (`empty_like`), and
+    the views of it (and items of a split of it) taken before any op writes into its storage (an in-place op, an
+    out= op, a copy_; an op whose writes the schema does not name counts as writing each of its inputs). Their
+    values are whatever the allocator left there; what the program reads after the writes is a value like any
+    other."""
+    storage, blank, out = Storage(), set(), set()  # blank: the roots of UNINITIALIZED results not yet written
+    for n in graph.nodes:
+        schema = _schema(n)
+        if schema is not None and n.target in UNINITIALIZED:
+            blank.add(n)
+            out.add(n)
+        elif (schema is not None and not schema.is_mutable and returns_view(n.target)) \
+                or (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], Node)):
+            roots = storage.roots(n.args[0] if n.target is operator.getitem else n)
+            if roots and roots <= blank:
+                out.add(n)
+        written = writes(n)
+        for w in (n.all_input_nodes if written is None else written):
+            blank -= storage.roots(w)
+    return out
+
+
+__all__ = ["Storage", "unwritten", "writes"]

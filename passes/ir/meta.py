@@ -70,35 +70,43 @@ class Comm(str, Enum):
         return COMM_TABLE[self]
 
 
+# the collectives a Comm runs (CommInfo.runs), as the communication ledger names them
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all-reduce", "all-gather", "reduce-scatter"
+REGATHER = "all-gather again"  # in backward, of the block saved in forward (seq_gather_linear, as Megatron does)
+
+
 @dataclass(frozen=True)
 class CommInfo:
     text: str  # what it does, forward and backward, as `fxpar show` says it
-    moves: str  # "forward": an activation in forward (g, all-gather); "backward": an activation gradient in
-    # backward (f, a scatter's all-gather); "small": a few values per token (statistics, the vocabulary's)
+    # the collectives it runs in forward and in backward, in order, where it moves an activation forward or its
+    # gradient backward (g: ((all-reduce,), ())); none where it moves a few values per token or a weight's
+    # gradient (statistics, the vocabulary's, seq_weights: the ledger's "small")
+    runs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     forward_identity: bool = False  # its forward moves no data (allowed inside a recomputed region)
     # a vocab-parallel op that replaces the op of the same role (passes/tensor_parallel/vocab_kernels.py)
     vocab: bool = False
 
 
 COMM_TABLE = {
-    Comm.F: CommInfo("f: all-reduce in backward", "backward", forward_identity=True),
-    Comm.G: CommInfo("g: all-reduce", "forward"),
-    Comm.STAT: CommInfo("all-reduce of a partial statistic (identity in backward)", "small"),
-    Comm.GATHER: CommInfo("all-gather", "forward"),
-    Comm.SCATTER: CommInfo("scatter (all-gather in backward)", "backward"),
-    Comm.VOCAB_EMBEDDING: CommInfo("vocab lookup + all-reduce", "small", vocab=True),
-    Comm.VOCAB_CROSS_ENTROPY: CommInfo("vocab-parallel cross-entropy (max + sum all-reduces per token)", "small",
-                                       vocab=True),
-    Comm.VOCAB_LOGSUMEXP: CommInfo("vocab-parallel logsumexp (max + sum all-reduces per token)", "small",
-                                   vocab=True),
-    Comm.VOCAB_GATHER: CommInfo("vocab-parallel gather (sum all-reduce per token)", "small", vocab=True),
-    Comm.SEQ_GATHER: CommInfo("all-gather along the sequence (reduce-scatter in backward)", "backward"),
-    Comm.SEQ_REDUCE_SCATTER: CommInfo("reduce-scatter along the sequence (all-gather in backward)", "forward"),
-    Comm.VOCAB_EMBEDDING_SEQ: CommInfo("vocab lookup + reduce-scatter along the sequence", "small", vocab=True),
+    Comm.F: CommInfo("f: all-reduce in backward", ((), (ALL_REDUCE,)), forward_identity=True),
+    Comm.G: CommInfo("g: all-reduce", ((ALL_REDUCE,), ())),
+    Comm.STAT: CommInfo("all-reduce of a partial statistic (identity in backward)"),
+    Comm.GATHER: CommInfo("all-gather", ((ALL_GATHER,), ())),
+    Comm.SCATTER: CommInfo("scatter (all-gather in backward)", ((), (ALL_GATHER,))),
+    Comm.VOCAB_EMBEDDING: CommInfo("vocab lookup + all-reduce", vocab=True),
+    Comm.VOCAB_CROSS_ENTROPY: CommInfo("vocab-parallel cross-entropy (max + sum all-reduces per token)", vocab=True),
+    Comm.VOCAB_LOGSUMEXP: CommInfo("vocab-parallel logsumexp (max + sum all-reduces per token)", vocab=True),
+    Comm.VOCAB_GATHER: CommInfo("vocab-parallel gather (sum all-reduce per token)", vocab=True),
+    Comm.SEQ_GATHER: CommInfo("all-gather along the sequence (reduce-scatter in backward)",
+                              ((ALL_GATHER,), (REDUCE_SCATTER,))),
+    Comm.SEQ_REDUCE_SCATTER: CommInfo("reduce-scatter along the sequence (all-gather in backward)",
+                                      ((REDUCE_SCATTER,), (ALL_GATHER,))),
+    Comm.VOCAB_EMBEDDING_SEQ: CommInfo("vocab lookup + reduce-scatter along the sequence", vocab=True),
     Comm.SEQ_GATHER_LINEAR: CommInfo("all-gather along the sequence into GEMMs (reduce-scatter in backward; the "
-                                     "block is saved and gathered again)", "backward"),
+                                     "block is saved and gathered again)",
+                                     ((ALL_GATHER,), (REGATHER, REDUCE_SCATTER))),
     Comm.SEQ_WEIGHTS: CommInfo("f of a layer's weights read on sequence blocks: one all-reduce of their gradients",
-                               "small", forward_identity=True),
+                               forward_identity=True),
 }
 
 PARAMETER, BUFFER, CONSTANT, USER, BOUNDARY = "parameter", "buffer", "constant", "user", "boundary"

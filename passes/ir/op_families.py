@@ -13,6 +13,8 @@ GroupOp), so a family fixed here is fixed for every pass that reads it.
     MODE_CALLS   enter or leave an autocast or grad-mode region (passes/frontend/context_regions.py): a value made
                  on one side of one is not the value made on the other (no gradient, another dtype)
     WAIT         a functional collective's wait (`collective_op` names the collective a node starts)
+    UNINITIALIZED  allocate a tensor without writing it (empty, empty_like, new_empty, empty_strided, ...): its
+                 values are whatever the allocator left until an in-place op, an out= op or a copy_ writes them
 `returns_view(op)`: the op's result aliases an input (a view: its schema says so; `_unsafe_view` without saying).
 """
 from __future__ import annotations
@@ -36,6 +38,8 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default})
 LOG_SOFTMAX = frozenset({aten.log_softmax.int, aten._log_softmax.default})
 SDPA = frozenset({aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default})
+UNINITIALIZED = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                           aten.new_empty_strided.default, aten.empty_strided.default, aten.empty_permuted.default})
 GEMMS = frozenset({aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
                    aten.einsum.default})
 

@@ -79,7 +79,7 @@ def handle_shape(reduce: DPReduce, shape: torch.Size) -> tuple[int, ...]:
 def handle_dtype(reduce: DPReduce, dtype: torch.dtype) -> torch.dtype:
     """The dtype of a weight's handle: its gradient's (main gradient's), or (scatter) the collective's."""
     if reduce.scatter:
-        return reduce.reduce_dtype or torch.float32
+        return reduce.reduce_dtype or torch.promote_types(dtype, torch.float32)
     return reduce.main_dtype or dtype
 
 
@@ -113,7 +113,8 @@ class _Bucket(torch.autograd.Function):
 def _reduce(r: DPReduce, totals: list[torch.Tensor]) -> list[torch.Tensor]:
     """The bucket's collective and what each weight's handle receives (fxpar/runtime/buckets.py runs the same)."""
     if r.scatter:
-        flat = rank_major(totals, r.size).to(r.reduce_dtype or torch.float32)
+        flat = rank_major(totals, r.size)  # fp32 at least; float64 stays float64
+        flat = flat.to(r.reduce_dtype or torch.promote_types(flat.dtype, torch.float32))
         mine = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", r.size, r.group_name))
         sizes = [piece_size(t.numel(), r.size) for t in totals]
         return list(mine.split(sizes))

@@ -10,6 +10,7 @@
     shared_weights.py    a weight several GEMMs read (a looped block), sharded where all of them shard it alike
     vocab_analysis.py    the vocab-parallel embedding and LM head (one shard of the vocabulary)
     plan.py              every decision as data, with a printable table
-    comm_audit.py        each layer's collectives in the rewritten graph against Megatron's 2 + 2
+    comm_audit.py        each layer's collectives in the rewritten graph, under the pass that runs each, against
+                         Megatron's 2 + 2 (4 + 6 with sequence parallelism)
     sequence_analysis.py sequence parallelism: which dim is the sequence (a probe), what runs on its blocks
 """

@@ -1,23 +1,30 @@
-"""What each layer communicates: the collectives of the tensor-parallel graph, layer by layer, against Megatron's
-bound of 2 activation all-reduces forward (g) and 2 backward (f) per layer (Shoeybi et al. 2019, Sec. 3).
+"""What each layer communicates: the collectives of the tensor-parallel graph, layer by layer, each under the pass
+that runs it, against Megatron's layer (Shoeybi et al. 2019, Sec. 3): 2 activation all-reduces forward (g) and 2
+backward (f); with sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) 2 all-gathers and 2 reduce-scatters
+forward, and backward their conjugates (2 reduce-scatters, 2 all-gathers) plus 2 all-gathers of the blocks saved
+for the column-parallel GEMMs: 4 + 6.
 
 Glossary
-    forward    the collectives that move activations in forward: g (all-reduce) and all-gathers
-    backward   those that move activation gradients in backward: f (all-reduce), and a scatter's all-gather
+    forward    the collectives that move activations in forward: g's all-reduce, all-gathers, reduce-scatters
+    backward   those that move activation gradients in backward: f's all-reduce, a scatter's all-gather, the
+               sequence-parallel conjugates and the all-gathers again of saved blocks. A collective whose kind runs
+               one in each pass (seq_gather: all-gather forward, reduce-scatter backward) is listed under both, once
+               per collective it runs there (CommInfo.runs, passes/ir/meta.py)
     small      the rest, which move at most a few values per token or a weight's gradient: the all-reduce of a
                partial statistic (`stat`, and its f), f of a replicated weight read inside a region (its gradient
                summed, as Megatron does a QK-norm's), f of a per-token factor that scales a partial sum (a routing
                weight, passes/tensor_parallel/merge_comm.py), a weight's or buffer's scatter, the vocabulary's per-token
-               all-reduces
+               all-reduces, seq_weights
     layer      an entry of the stacks passes/frontend/layers.py finds (`model.layers.3`); a collective belongs to the
-    layer of
-               the value it moves. Collectives outside every layer (the vocabulary's, a final norm's f) are listed
-               under "outside the layers".
+               layer of the value it moves. Collectives outside every layer (the vocabulary's, a final norm's f) are
+               listed under "outside the layers".
+    shape      the tensor a collective reads on this rank: the value in forward (and of an all-gather again), the
+               gradient of the result in backward
 
 A layer above the bound is a documented choice, never a silent one: its note names every forward collective and the
 region (module) that closes with it, so the plan says which regions the layer was split into. A layer the model
 applies k times (a looped block: torch.export marks the k-th call of a module `@k` on the node's module stack) is
-bounded by k times 2 + 2, and counted per application.
+bounded by k times Megatron's, and counted per application.
 """
 from __future__ import annotations
 
@@ -31,16 +38,26 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.analysis import activations_of, upstream
 from fxpar.passes.frontend.layers import calls_of, find_layers
-from fxpar.passes.ir.meta import FXPAR_SCALE, Comm, comm_kind, module_path
+from fxpar.passes.ir.meta import (ALL_GATHER, ALL_REDUCE, FXPAR_SCALE, REDUCE_SCATTER, REGATHER, Comm, comm_kind,
+                                  module_path)
 
-BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout
+BOUND = 2  # activation all-reduces per layer, each way, in Megatron's layout (without sequence parallelism)
+MEGATRON = {  # Megatron's collectives per layer, (forward, backward), by op; with sequence parallelism or not
+    False: (Counter({ALL_REDUCE: BOUND}), Counter({ALL_REDUCE: BOUND})),
+    True: (Counter({ALL_GATHER: 2, REDUCE_SCATTER: 2}), Counter({REGATHER: 2, REDUCE_SCATTER: 2, ALL_GATHER: 2})),
+}
 OUTSIDE = "outside the layers"
 DP_ROW = "dp buckets (once a step)"  # the dp gradient reduction, in the last microbatch's backward program
 FORWARD, BACKWARD = "forward", "backward"  # the halves of a joint program
-_FORWARD = frozenset(c for c in Comm if c.info.moves == "forward")  # g, all-gather
-_BACKWARD = frozenset(c for c in Comm if c.info.moves == "backward")  # f, scatter
+_SEQUENCE = frozenset({Comm.SEQ_GATHER, Comm.SEQ_REDUCE_SCATTER, Comm.SEQ_GATHER_LINEAR})
 _SMALL_F = {"f weight", "f stat", "f scale"}  # an f that kind_of finds moves a weight's or a statistic's gradient
-_ENTERING = _BACKWARD | _SMALL_F | {Comm.SEQ_WEIGHTS}  # kinds that belong to the layer that reads them
+# kinds that belong to the layer that reads them (they enter its region)
+_ENTERING = frozenset({Comm.F, Comm.SCATTER, Comm.SEQ_GATHER, Comm.SEQ_GATHER_LINEAR, Comm.SEQ_WEIGHTS}) | _SMALL_F
+
+
+def _runs(kind) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The activation collectives a kind runs, in forward and in backward (none: a small one)."""
+    return kind.info.runs if isinstance(kind, Comm) else ((), ())
 
 
 @dataclass(frozen=True)
@@ -48,33 +65,56 @@ class Collective:
     kind: str  # a Comm, or "f weight" / "f stat" / "f scale" / "scatter state" for the small ones (kind_of)
     node: str  # the collective's node
     module: str  # the module path of the value it moves
-    shape: tuple[int, ...]  # the value's shape on this rank
+    shape: tuple[int, ...]  # the tensor it reads on this rank (see the glossary)
+    op: str = ""  # the collective it runs in the pass it is listed under ("all-gather"); "" for a small one
+
+    @property
+    def what(self) -> str:
+        """Its kind, and the collective it runs in this pass where its kind runs more than one (sequence
+        parallelism's: `all-gather (seq_gather_linear)`)."""
+        return f"{self.op} ({self.kind})" if sum(map(len, _runs(self.kind))) > 1 else str(self.kind)
 
     def __str__(self) -> str:
-        return f"{self.kind} of {self.module or '<root>'} [{'x'.join(map(str, self.shape))}]"
+        return f"{self.what} of {self.module or '<root>'} [{'x'.join(map(str, self.shape))}]"
 
 
 @dataclass(frozen=True)
 class LayerComm:
     layer: str
-    forward: tuple[Collective, ...]
-    backward: tuple[Collective, ...]
+    forward: tuple[Collective, ...]  # one per collective run in forward
+    backward: tuple[Collective, ...]  # one per collective run in backward
     small: tuple[Collective, ...]
     calls: int = 1  # how many times the model applies the layer
 
     @property
+    def sequence(self) -> bool:
+        """The layer runs on sequence blocks between its regions (sequence parallelism)."""
+        return any(c.kind in _SEQUENCE for c in (*self.forward, *self.backward))
+
+    @property
+    def megatron(self) -> tuple[Counter, Counter]:
+        """Megatron's collectives for this layer's layout and applications, (forward, backward), by op."""
+        return tuple(Counter({op: n * self.calls for op, n in half.items()}) for half in MEGATRON[self.sequence])
+
+    @property
+    def bound(self) -> tuple[int, int]:
+        forward, backward = self.megatron
+        return forward.total(), backward.total()
+
+    @property
     def above_bound(self) -> bool:
-        bound = BOUND * self.calls
-        return self.layer != OUTSIDE and (len(self.forward) > bound or len(self.backward) > bound)
+        forward, backward = self.bound
+        return self.layer != OUTSIDE and (len(self.forward) > forward or len(self.backward) > backward)
 
     @property
     def note(self) -> str:
         """Why the layer costs more than Megatron's layout: the regions it was split into, by their collectives."""
-        parts = []
-        if len(self.forward) > BOUND * self.calls:
-            parts.append(f"{len(self.forward)} regions, each closed by its own collective: "
+        parts, (forward, backward) = [], self.bound
+        if len(self.forward) > forward:
+            parts.append((f"{len(self.forward)} in forward, Megatron's {forward}: " if self.sequence else
+                          f"{len(self.forward)} regions, each closed by its own collective: ")
                          + ", ".join(map(str, self.forward)))
-        if len(self.backward) > BOUND * self.calls:
+        if len(self.backward) > backward:
             parts.append(f"{len(self.backward)} in backward: " + ", ".join(map(str, self.backward))
                          + (" (a scatter: a replicated activation read inside a region, all-gathered in backward)"
                             if any(c.kind == "scatter" for c in self.backward) else ""))
@@ -109,12 +149,27 @@ def kind_of(n: Node, activations: set[Node]) -> str | None:
     return kind
 
 
+def _shape(n: Node) -> tuple[int, ...]:
+    value = n.meta.get("val")
+    return tuple(value.shape) if isinstance(getattr(value, "shape", None), tuple) else ()
+
+
+def _joins_its_gemms(n: Node) -> bool:
+    """A seq_gather that gathered_gemms_pass (passes/tensor_parallel/sequence_parallel.py) will join with the GEMMs
+    reading it, by that pass's own tests: every reader a GEMM taking it (or its rows viewed as 2-D) as the input. It
+    runs as seq_gather_linear: the block saved, gathered again in backward."""
+    from fxpar.passes.tensor_parallel.sequence_parallel import _flattened, _form
+
+    reader = _flattened(n) or n
+    return bool(reader.users) and all(_form(u, reader) is not None for u in reader.users)
+
+
 def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
     """Every layer's collectives in the tensor-parallel graph `gm`, in layer order, then those outside the layers
     (omitted when there are none). A layer with no collective is listed too."""
     layers, activations = find_layers(gm), activations_of(gm)
     entries = list(layers.sequence) or list(dict.fromkeys(layers.entry_of.values()))
-    found: dict[str, list[Collective]] = {e: [] for e in entries}
+    found: dict[str, tuple[list, list, list]] = {e: ([], [], []) for e in entries}  # forward, backward, small
     calls: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
         if (layer := layers.entry_of.get(n)) is not None:
@@ -122,22 +177,22 @@ def audit(gm: GraphModule) -> tuple[LayerComm, ...]:
         kind = kind_of(n, activations) if comm_kind(n) else None
         if kind is None:
             continue
+        if kind == Comm.SEQ_GATHER and _joins_its_gemms(n):
+            kind = Comm.SEQ_GATHER_LINEAR  # what runs
         src = n.args[0]
-        value = src.meta.get("val")
-        shape = tuple(value.shape) if value is not None and hasattr(value, "shape") else ()
         # an f (or scatter) belongs to the layer whose region it enters, a g to the one whose region it closes
         reader = next(iter(n.users), src) if kind in _ENTERING and n.users else src
-        collective = Collective(kind, n.name, module_path(reader), shape)
-        found.setdefault(layers.entry_of.get(reader, OUTSIDE), []).append(collective)
-    if not found.get(OUTSIDE):
+        forward, backward, small = found.setdefault(layers.entry_of.get(reader, OUTSIDE), ([], [], []))
+        module, (ahead, back) = module_path(reader), _runs(kind)
+        if not ahead and not back:
+            small.append(Collective(kind, n.name, module, _shape(src)))
+        forward += [Collective(kind, n.name, module, _shape(src), op) for op in ahead]
+        # backward reads the gradient of n's result (n's shape), or the block saved in forward (src's)
+        backward += [Collective(kind, n.name, module, _shape(src if op == REGATHER else n) or _shape(src), op)
+                     for op in back]
+    if not any(found.get(OUTSIDE, ())):
         found.pop(OUTSIDE, None)
-
-    def of(cs, kinds, inside=True):
-        return tuple(c for c in cs if (c.kind in kinds) == inside)
-
-    return tuple(LayerComm(layer, of(cs, _FORWARD), of(cs, _BACKWARD), of(cs, _FORWARD | _BACKWARD, inside=False),
-                           max(1, len(calls.get(layer, ()))))
-                 for layer, cs in found.items())
+    return tuple(LayerComm(layer, *map(tuple, cs), max(1, len(calls.get(layer, ())))) for layer, cs in found.items())
 
 
 def per_layer(comm: tuple[LayerComm, ...]) -> tuple[float, float]:

@@ -25,11 +25,12 @@ class Plan:
     weights: tuple[WeightShard, ...]
     stages: tuple[tuple[int, int, tuple[int, ...], tuple[str, ...]], ...] = ()  # (chunk, pp rank, layers, sends)
     logits: str = ""  # what becomes of the LM head's logits: gathered (why), or kept sharded into the loss ops
-    comm: tuple[LayerComm, ...] = ()  # each layer's collectives against Megatron's 2 + 2 (passes/sharding/comm_audit.py)
+    comm: tuple[LayerComm, ...] = ()  # each layer's collectives against Megatron's (passes/sharding/comm_audit.py)
     sequence: tuple[str, ...] = ()  # what sequence parallelism did, and where it gathered why (SequenceAnalysis.lines)
     # each layer's collectives read from the joint programs (Config.joint_graph; passes/joint/comm_table.py)
     program_comm: tuple[ProgramComm, ...] = ()
     comm_cluster: str = ""  # the cluster whose rates program_comm's times are estimated with
+    loss: str = ""  # how step() weights the microbatch losses ([Note: whole-batch semantics])
 
     def __post_init__(self):
         if self.tp < 1:
@@ -70,14 +71,15 @@ class Plan:
 
     def comm_table(self) -> str:
         """One row per run of consecutive layers with the same counts (`model.layers.0..11`)."""
-        rows, looped = [], any(c.calls > 1 for c in self.comm)  # a layer applied k times: its bound is k(2 + 2)
-        for (fwd, bwd, small, _, _, calls), run in itertools.groupby(self.comm, key=lambda c: (
-                len(c.forward), len(c.backward), len(c.small), c.above_bound, c.layer == OUTSIDE, c.calls)):
+        rows, looped = [], any(c.calls > 1 for c in self.comm)  # a layer applied k times: its bound is k times
+        for (fwd, bwd, small, _, outside, calls, bound), run in itertools.groupby(self.comm, key=lambda c: (
+                len(c.forward), len(c.backward), len(c.small), c.above_bound, c.layer == OUTSIDE, c.calls, c.bound)):
             cs = list(run)
             span = cs[0].layer if len(cs) == 1 else f"{cs[0].layer}..{cs[-1].layer.rsplit('.', 1)[-1]}"
-            rows.append([span, fwd, bwd, small, *([calls] if looped else []), cs[0].note])
+            megatron = "-" if outside else " + ".join(map(str, bound))
+            rows.append([span, fwd, bwd, small, *([calls] if looped else []), megatron, cs[0].note])
         return tabulate(rows, headers=["layers", "forward", "backward", "small", *(["applied"] if looped else []),
-                                       "above Megatron's 2 + 2 (why)"])
+                                       "Megatron", "above Megatron's (why)"])
 
     def stage_table(self) -> str:
         def span(layers):
@@ -92,8 +94,9 @@ class Plan:
             f"{len(self.replicated)} with replicated parts\n{self.region_table()}\n\n{self.weight_table()}"
         )
         text += f"\n\nlogits: {self.logits}" if self.logits else ""
+        text += f"\n\nloss: {self.loss}" if self.loss else ""
         text += "\n\n" + "\n".join(self.sequence) if self.sequence else ""
-        text += f"\n\nactivation all-reduces per layer\n{self.comm_table()}" if any(
+        text += f"\n\nactivation collectives per layer, each under the pass that runs it\n{self.comm_table()}" if any(
             c.forward or c.backward or c.small for c in self.comm) else ""
         text += ("\n\ncollectives per layer in the joint programs (outside them: pipeline sends; dp buckets no program "
                  "reduces)\n"
@@ -103,14 +106,15 @@ class Plan:
 
 def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "",
               tp_graph=None, sequence: tuple[str, ...] = (), program_comm: tuple[ProgramComm, ...] = (),
-              comm_cluster: str = "") -> Plan:
+              comm_cluster: str = "", loss: str = "") -> Plan:
     """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
     not traced with the model (fxpar/trace.py); tp_graph (the graph after tensor parallelism) adds each layer's
-    collectives; program_comm, those the joint programs run (passes/joint/comm_table.py)."""
+    collectives; program_comm, those the joint programs run (passes/joint/comm_table.py); loss: how step() weights
+    the microbatch losses."""
     stages = () if partition is None else tuple(
         (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
     logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
     logits = "; ".join(x for x in (logits, loss_note) if x)
     comm = audit(tp_graph) if tp_graph is not None and analysis.t > 1 else ()
     return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm, tuple(sequence),
-                tuple(program_comm), comm_cluster)
+                tuple(program_comm), comm_cluster, loss)

@@ -66,12 +66,12 @@ def sequence_parallel_pass(gm: GraphModule, seq: SequenceAnalysis, comm: TPComm)
 
 
 def _weights_by_layer(gm: GraphModule, readers: dict[Node, list[Node]], comm: TPComm) -> None:
-    """The weights read on sequence blocks enter through f, one seq_weights per layer (its gradients all-reduced as
-    one tensor, when the layer's backward is done), placed before the layer's first reader: a layer's weights stay
-    in the layer's pipeline chunk."""
-    layers, groups = find_layers(gm), {}
+    """The weights read on sequence blocks enter through f, one seq_weights per layer and grad-mode span (its
+    gradients all-reduced as one tensor, when the layer's backward is done), placed before the first reader in it: a
+    layer's weights stay in the layer's pipeline chunk. [Note: seq_weights per grad-mode span]"""
+    layers, spans, groups = find_layers(gm), _grad_mode_spans(gm), {}
     for node, ws in readers.items():
-        groups.setdefault(_layer_of(node, layers), {}).setdefault(node, ws)
+        groups.setdefault((_layer_of(node, layers), spans[node]), {}).setdefault(node, ws)
     for group in groups.values():
         unique, first = list(dict.fromkeys(w for ws in group.values() for w in ws)), next(iter(group))
         with gm.graph.inserting_before(first):
@@ -86,6 +86,24 @@ def _weights_by_layer(gm: GraphModule, readers: dict[Node, list[Node]], comm: TP
         for node, ws in group.items():
             for w in ws:
                 node.replace_input_with(w, outs[w])
+
+
+def _grad_mode_spans(gm: GraphModule) -> dict[Node, int]:
+    """Each node's grad-mode span: how many grad-mode calls run before it.
+
+    [Note: seq_weights per grad-mode span]
+        A looped block reads its layer's weights in every application, and a recurrent-depth model runs the early
+        ones under `torch.no_grad()` (passes/frontend/context_regions.py). One seq_weights placed before the first
+        application would run under no_grad: its outputs would carry no gradient, and the application that trains
+        would read weights whose partial-sum gradient is never all-reduced (or never reaches the weight at all).
+        Each span gets its own, made in the grad mode of the readers it feeds; within a span, one seq_weights
+        serves every application (its backward all-reduces the sum of their gradients, which is linear)."""
+    spans, count = {}, 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            count += 1
+        spans[n] = count
+    return spans
 
 
 def _layer_of(node: Node, layers) -> str:
