@@ -26,7 +26,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from fxpar.passes.ir.aliasing import Storage, writes
-from fxpar.passes.ir.meta import USER, input_of, module_path
+from fxpar.passes.ir.meta import USER, input_of, module_path, upstream
 from fxpar.passes.ir.op_families import CASTS, VIEWS
 
 aten = torch.ops.aten
@@ -98,12 +98,7 @@ def _name(n: Node) -> str:
 
 def _ancestors(n: Node) -> list[Node]:
     """n and every node it depends on, in graph order."""
-    seen, todo = {n}, [n]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
+    seen = set(upstream(n))
     return [x for x in n.graph.nodes if x in seen]
 
 

@@ -184,6 +184,19 @@ def resolve_inputs(inputs: Sequence[GraphInput], state: Mapping[str, object], co
     return out
 
 
+def upstream(n: Node, through=lambda a: True):
+    """n and the nodes it is computed from, each once, looking past a node's inputs only where through(node)."""
+    seen, todo = {n}, [n]
+    while todo:
+        a = todo.pop()
+        yield a
+        if through(a):
+            for b in a.all_input_nodes:
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+
+
 def module_path(node: Node) -> str:
     """The path of the innermost module whose forward made the node (`model.layers.0.mlp`), or ""."""
     stack = node.meta.get("nn_module_stack") or {}

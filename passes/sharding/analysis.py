@@ -61,7 +61,7 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.sharding.fused_projections import fused_parts
 from fxpar.passes.ir.aliasing import Storage, writes
-from fxpar.passes.ir.meta import USER, input_of, module_path
+from fxpar.passes.ir.meta import USER, input_of, module_path, upstream
 from fxpar.passes.ir.op_families import ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.rule_table import rule_for
@@ -414,19 +414,6 @@ def _check_widths(got: dict[Node, Decision], subset, x: Node) -> None:
                       seeds)
 
 
-def upstream(n: Node, through=lambda a: True):
-    """n and the nodes it is computed from, each once, looking past a node's inputs only where through(node)."""
-    seen, todo = {n}, [n]
-    while todo:
-        a = todo.pop()
-        yield a
-        if through(a):
-            for b in a.all_input_nodes:
-                if b not in seen:
-                    seen.add(b)
-                    todo.append(b)
-
-
 def _upstream_in(n: Node, got: dict) -> set[Node]:
     """The nodes of the region `got` that n is computed from."""
     return {a for a in upstream(n, through=lambda a: a is n or a in got) if a in got and a is not n}
@@ -585,5 +572,5 @@ def check_divisible(analysis: Analysis) -> None:
         )
 
 
-__all__ = ["Analysis", "Region", "activations_of", "analyze", "upstream", "spread", "check_divisible", "weight_specs",
+__all__ = ["Analysis", "Region", "activations_of", "analyze", "spread", "check_divisible", "weight_specs",
            "plain_shard", "Replicate"]

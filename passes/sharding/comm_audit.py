@@ -36,7 +36,8 @@ from tabulate import tabulate
 
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.sharding.analysis import activations_of, upstream
+from fxpar.passes.ir.meta import upstream
+from fxpar.passes.sharding.analysis import activations_of
 from fxpar.passes.frontend.layers import calls_of, find_layers
 from fxpar.passes.ir.meta import (ALL_GATHER, ALL_REDUCE, FXPAR_SCALE, REDUCE_SCATTER, REGATHER, Comm, comm_kind,
                                   module_path)
