@@ -437,7 +437,10 @@ def generate(seed: int) -> str:
               *(["        x = x + 0.5 * (self.wte(aux) if hasattr(self, 'wte') else aux)"] if aliasing else []),
               f"        prev = torch.zeros(x.shape[0], {c['heads']}, {S}, {S})", "        side = []",
               *([f"        with torch.set_grad_enabled({not c['no_grad']}):",  # the same layers applied twice
-                 "            for layer in self.layers:", "                x, prev, s = layer(x, prev)"]
+                 "            for layer in self.layers:", "                x, prev, s = layer(x, prev)",
+                 # the second pass starts from unit scale, as the first does: twice the depth of residual blocks
+                 # whose MLP reads the unnormalized stream would otherwise overflow float32 (seeds 9300066, 9300246)
+                 f"        x = F.layer_norm(x, ({H},))"]
                 if c["loops"] > 1 else []),
               "        for layer in self.layers:", "            x, prev, s = layer(x, prev)",
               "            if s is not None:", "                side.append(s)"]
