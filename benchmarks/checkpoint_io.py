@@ -118,7 +118,7 @@ def run_meta_load(args) -> dict:
     fxpar.load(args.checkpoint, pm)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    local = sum(t.numel() * t.element_size() for t in pm.held().values())
+    local = sum(t.numel() * t.element_size() for t in pm.rank.weights.held().values())
     return {"added": peak.item(), "local": local}
 
 

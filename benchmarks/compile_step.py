@@ -147,8 +147,8 @@ def _full_grads(pm):
     def read() -> dict:
         out = {}
         for key, p in pm.named_parameters():
-            spec = pm.specs.get(key)
-            out[key] = unshard(pm.comm.all_gather(p.grad.detach()), spec) if spec else p.grad.detach().clone()
+            spec = pm.rank.specs.get(key)
+            out[key] = unshard(pm.rank.comm.all_gather(p.grad.detach()), spec) if spec else p.grad.detach().clone()
         return out
 
     return read

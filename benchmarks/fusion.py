@@ -55,7 +55,7 @@ TOL = 1e-5
 
 def graphs(pm, values) -> dict[str, fx.GraphModule]:
     """Every variant's graph over the same parameters (the unfused one is pm's own)."""
-    ref = pm.graph_module
+    ref = pm.compiled.callables[0]
     fused = fusion_pass(fx.GraphModule(ref, copy.deepcopy(ref.graph)), values)
     out = {"unfused": ref, "fused": fused}
     for base in ("unfused", "fused"):
@@ -118,7 +118,7 @@ def make(cfg: GPTConfig, batch: int):
     model = GPT(cfg)
     ids = torch.randint(0, cfg.vocab, (batch, cfg.seq))
     pm = build(model, TPComm(0, 1), (ids,), config=Config(fuse=False))  # the unfused graph; variants from it
-    return pm, ids, pm.traced.values(dict(model.named_buffers()))
+    return pm, ids, pm.compiled.traced.values(dict(model.named_buffers()))
 
 
 def time_variants(pm, ids, gms, rounds: int, steps: int, warmup: int) -> dict:

@@ -90,8 +90,8 @@ def _check_fxpar(pm, ids, target, ref_loss: float, ref_grads: dict) -> tuple[flo
     err = 0.0
     for key, q in pm.named_parameters():
         want = ref_grads[key]
-        if key in pm.specs:
-            want = local_shard(want, pm.specs[key], pm.comm.rank, pm.comm.size)
+        if key in pm.rank.specs:
+            want = local_shard(want, pm.rank.specs[key], pm.rank.comm.rank, pm.rank.comm.size)
         err = max(err, (q.grad - want).abs().max().item())
     pm.zero_grad(set_to_none=True)
     return abs(loss.item() - ref_loss), err
@@ -110,7 +110,7 @@ def run_rank(args) -> dict:
     m = args.microbatches
     pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(pp=p, tp=t), example_args=(ids[:args.batch // m],),
                            loss_fn=loss_fn, config=fxpar.Config(microbatches=m, schedule="1f1b"))
-    h = torch_hybrid(copy.deepcopy(model), [c.layers for c in pm.partition.chunks], m, p, t)
+    h = torch_hybrid(copy.deepcopy(model), [c.layers for c in pm.compiled.partition.chunks], m, p, t)
     ref_loss = loss_fn(model(ids), target)
     ref_loss.backward()
     ref_grads = {k: q.grad for k, q in model.named_parameters()}

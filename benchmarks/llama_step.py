@@ -111,7 +111,7 @@ def run_rank(args) -> dict:
     dt, dims = dtensor_llama(copy.deepcopy(model), t)
     models = {"fxpar": pm, "DTensor": dt}
     expected = {
-        "fxpar": lambda k, g: local_shard(g, pm.specs[k], rank, t) if k in pm.specs else g,
+        "fxpar": lambda k, g: local_shard(g, pm.rank.specs[k], rank, t) if k in pm.rank.specs else g,
         "DTensor": lambda k, g: g.chunk(t, dims[k])[rank] if k in dims else g,
     }
     ref_loss = loss_fn(model(ids), target)

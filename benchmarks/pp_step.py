@@ -6,7 +6,7 @@ torch.distributed.pipelining on the same model, split and schedule.
     fxpar interleaved    fxpar with schedule="interleaved-1f1b", v=2 chunks per rank
     torch interleaved    ScheduleInterleaved1F1B over 4 hand-built stage modules, 2 per rank
 
-Same model, same split: the torch stages take exactly the layers of fxpar's chunks (`pm.partition`), the embeddings
+Same model, same split: the torch stages take exactly the layers of fxpar's chunks (`pm.compiled.partition`), the embeddings
 on the first stage, ln_f and the LM head on the last. Every model is untied (GPTConfig(tied=False)): torch's
 pipelining has no tied-weight handling, so a tied LM head would need a hand-written all-reduce there only.
 
@@ -148,7 +148,7 @@ def run_rank(cfg: GPTConfig, batch: int, microbatches: int, rounds: int, steps: 
     pipes = {}
     for sched, v in SCHEDULES.items():
         pm = fxpar_pipeline(copy.deepcopy(model), ids, v, microbatches)
-        layers = [c.layers for c in pm.partition.chunks]  # the same split for the torch peer
+        layers = [c.layers for c in pm.compiled.partition.chunks]  # the same split for the torch peer
         pipes[f"fxpar {sched}"] = pm
         pipes[f"torch {sched}"] = TorchPipeline(copy.deepcopy(model), layers, microbatches)
 

@@ -42,7 +42,7 @@ def _run(args) -> dict:
         step()
         pm.check_replicas(grads=True)
 
-    replicated = sum(1 for k, _ in pm.named_parameters() if k not in pm.specs)
+    replicated = sum(1 for k, _ in pm.named_parameters() if k not in pm.rank.specs)
     timed = common.time_rounds({"step": step, "step + check": step_and_check}, args.rounds, args.steps, args.warmup,
                                barrier=True, reduce=torch.distributed.ReduceOp.MAX)
     return timed | {"replicated": replicated, "total": sum(1 for _ in pm.parameters())}

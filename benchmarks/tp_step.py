@@ -157,11 +157,11 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, steps: int, warmup: int, c
     pm = fxpar_gpt(copy.deepcopy(model), ids, t)
     models = {
         "fxpar": pm,
-        "hand-written": MegatronGPT.from_full(model, rank, t, group=pm.comm.group),  # fxpar's gloo group
+        "hand-written": MegatronGPT.from_full(model, rank, t, group=pm.rank.comm.group),  # fxpar's gloo group
         "DTensor": dtensor_gpt(copy.deepcopy(model), t),
     }
     expected = {
-        "fxpar": lambda k, g: local_shard(g, pm.specs[k], rank, t) if k in pm.specs else g,
+        "fxpar": lambda k, g: local_shard(g, pm.rank.specs[k], rank, t) if k in pm.rank.specs else g,
         "hand-written": lambda k, g: shard(k, g, cfg, rank, t),
         "DTensor": lambda k, g: shard(k, g, cfg, rank, t),  # the same layout, via the head-interleaved c_attn
     }

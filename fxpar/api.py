@@ -47,7 +47,6 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
         pm = PipelineModule(model, compiled, mesh, loss_fn)
     else:
         pm = ParallelModule(model, compiled, mesh=mesh)
-    pm.plan = pm.make_plan(compiled)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
             f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "

@@ -68,23 +68,39 @@ class CheckSpec:
     tp: int = 2
     pp: int = 1
     dp: int = 1
-    vpp: int = 1
-    microbatches: int | None = None  # m; default: 1, or 2*pp with a pipeline
-    schedule: str | None = None  # default: 1f1b, interleaved-1f1b for v > 1 (cost.bubble.default_schedule)
-    zero: int = 0
+    # fxpar.Config fields to set (the CLI's Config flags); unset: 2 p v microbatches with a pipeline (else 1), the
+    # default schedule for v (cost.bubble.default_schedule), and Config's defaults. seed and mixed_precision are the
+    # check's own (seed, precision)
+    config: dict = field(default_factory=dict)
     precision: str = "fp32"
-    sequence_parallel: bool = False
     steps: int = 3
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 120.0  # of every collective
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "vpp", "steps"):
+        for name in ("tp", "pp", "dp", "steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"fxpar check: --{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.precision not in TOLERANCE:
             raise ValueError(f"fxpar check: --precision must be fp32 or bf16, got {self.precision!r}")
+        owned = sorted({"seed", "mixed_precision"} & set(self.config))
+        if owned:
+            raise ValueError(f"fxpar check sets Config.{owned[0]} itself: give --seed or --precision instead")
+        self.parallel_config()  # a bad field is an error now, before any rank starts
+
+    def parallel_config(self, mixed_precision=None):
+        """The fxpar.Config the check parallelizes with."""
+        import fxpar
+        from fxpar.cost.bubble import default_schedule
+
+        vpp = self.config.get("virtual_stages", 1)
+        m = 2 * self.pp * vpp if self.pp > 1 else 1
+        defaults = {"microbatches": m, "schedule": default_schedule(vpp) if isinstance(vpp, int) else "1f1b"}
+        try:
+            return fxpar.Config(**{**defaults, **self.config, "seed": self.seed, "mixed_precision": mixed_precision})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"fxpar check: {e}") from None
 
     @property
     def world(self) -> int:
@@ -92,7 +108,7 @@ class CheckSpec:
 
     @property
     def m(self) -> int:
-        return self.microbatches or (2 * self.pp * self.vpp if self.pp > 1 else 1)
+        return self.parallel_config().microbatches
 
 
 @dataclass
@@ -246,7 +262,6 @@ def _gap(full: dict, want: dict) -> tuple[float, str]:
 def _on_rank(spec: CheckSpec) -> CheckResult:
     """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
     import fxpar
-    from fxpar.cost.bubble import default_schedule
     from fxpar.cli.targets import load_factory
 
     factory = load_factory(spec.target)
@@ -260,12 +275,7 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
     loss = loss or default_loss
     reference = Reference(copy.deepcopy(model), loss, spec)
     low = fxpar.MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
-    try:
-        config = fxpar.Config(microbatches=spec.m, virtual_stages=spec.vpp, zero=spec.zero, seed=spec.seed,
-                              mixed_precision=low, schedule=spec.schedule or default_schedule(spec.vpp),
-                              sequence_parallel=spec.sequence_parallel)
-    except ValueError as e:
-        raise ValueError(f"fxpar check: {e}") from None
+    config = spec.parallel_config(low)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
                            example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
                            config=config)

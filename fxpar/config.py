@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -12,33 +12,45 @@ from fxpar.passes.joint.export import OVERLAP_NAMES
 from fxpar.runtime.precision import MixedPrecision
 
 
+def _option(default, help: str):
+    """A field with its help text, which `fxpar check`, `fxpar show` and `fxpar plan` print for its flag
+    (fxpar/cli/config_flags.py generates the flags from these fields)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    microbatches: int = 1  # m: microbatches per pipeline flush
-    virtual_stages: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
-    schedule: str = "1f1b"  # one of cost.bubble.SCHEDULES; which (p, m, v) it runs: cost.bubble.check_schedule
-    scatter_gather: bool | str = "auto"  # send 1/t of each boundary activation, all-gather on arrival; "auto": only
-    # where a pipeline link joins two hosts and tp stays on one (fxpar/mesh.py pipeline_crosses_hosts)
-    # explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu (passes/fusion/driver.py)
-    fuse: bool = True
-    # between regions, norms, dropout and residual adds run on 1/t of the tokens: g -> reduce-scatter, f -> all-gather
-    # along the sequence (passes/sharding/sequence_analysis.py)
-    sequence_parallel: bool = False
-    recompute: str = "none"  # "selective": attention cores and bias+GeLU recomputed in backward; "full": layers
-    compile: bool = False  # torch.compile each chunk
-    # each chunk runs as its joint forward+backward program, every collective a graph node (passes/joint/)
-    joint_graph: bool = False
-    # with joint_graph: the overlap passes, by name (passes/joint/export.py OVERLAP_NAMES: early_collectives and
-    # late_waits on each program, dp_buckets: the dp reduction in the backward program); None: DEFAULT_OVERLAP (the first two)
-    overlap: tuple[str, ...] | None = None
-    trace_dir: str | None = None  # write each rank's Chrome trace (Perfetto) here
-    dump_dir: str | None = None  # write each graph stage's graph, and its diff, here (fxpar/compiler.py)
-    bucket_mb: float = 25.0  # data-parallel gradient bucket size
-    seed: int | None = None  # of the random streams (dropout); None: global rank 0's torch.initial_seed()
-    check_replicas_every: int = 0  # step() checks that replicated weights are identical every N steps (0: never)
-    zero: int = 0  # 1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/runtime/zero.py); 0: plain
-    # low-precision compute, fp32 main grads/params (fxpar/runtime/precision.py)
-    mixed_precision: MixedPrecision | None = None
+    microbatches: int = _option(1, "m: microbatches per pipeline flush")
+    virtual_stages: int = _option(1, "v: model chunks per pipeline rank (the interleaved schedule)")
+    schedule: str = _option("1f1b", f"the pipeline schedule: {', '.join(SCHEDULES)} (which (p, m, v) each runs: "
+                                    "cost.bubble.check_schedule)")
+    scatter_gather: bool | str = _option(
+        "auto", "send 1/t of each boundary activation and all-gather it on arrival; auto: only where a pipeline link "
+                "joins two hosts and tp stays on one (fxpar/mesh.py pipeline_crosses_hosts)")
+    fuse: bool = _option(True, "explicit attention -> SDPA, bias+dropout+add, GeLU written out -> aten.gelu "
+                               "(passes/fusion/driver.py)")
+    sequence_parallel: bool = _option(
+        False, "between the regions, norms, dropout and residual adds run on 1/t of the tokens: g -> reduce-scatter, "
+               "f -> all-gather along the sequence (passes/sharding/sequence_analysis.py)")
+    recompute: str = _option("none", f"{', '.join(RECOMPUTE_MODES)}; selective: attention cores and bias+GeLU "
+                                     "recomputed in backward, full: whole layers")
+    compile: bool = _option(False, "torch.compile each chunk")
+    joint_graph: bool = _option(False, "each chunk runs as its joint forward+backward program, every collective a "
+                                       "graph node (passes/joint/)")
+    overlap: tuple[str, ...] | None = _option(
+        None, "with joint_graph: the overlap passes by name (passes/joint/export.py OVERLAP_NAMES: early_collectives "
+              "and late_waits on each program, dp_buckets: the dp reduction in the backward program); none: the "
+              "first two")
+    trace_dir: str | None = _option(None, "write each rank's Chrome trace (Perfetto) here")
+    dump_dir: str | None = _option(None, "write each graph stage's graph, and its diff, here (fxpar/compiler.py)")
+    bucket_mb: float = _option(25.0, "data-parallel gradient bucket size, in megabytes")
+    seed: int | None = _option(None, "of the random streams (dropout); none: global rank 0's torch.initial_seed()")
+    check_replicas_every: int = _option(0, "step() checks that replicated weights are identical every N steps "
+                                           "(0: never)")
+    zero: int = _option(0, "1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/runtime/zero.py); "
+                           "0: a plain one")
+    mixed_precision: MixedPrecision | None = _option(
+        None, "low-precision compute with fp32 main gradients and parameters (fxpar/runtime/precision.py)")
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:

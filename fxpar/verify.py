@@ -19,6 +19,7 @@ from fxpar.passes.ir.aliasing import unwritten
 from fxpar.passes.ir.meta import module_path
 from fxpar.passes.ir.meta import FXPAR_ORIGIN, FXPAR_PLACEMENT, graph_inputs, resolve_inputs
 from fxpar.passes.ir.placements import Partial, Shard, local_shard
+from fxpar.runtime.executable import call_inputs, full_tensors
 from fxpar.runtime.ownership import is_released
 
 
@@ -63,17 +64,17 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
     (`reference = copy.deepcopy(model)`), which also checks the shards pm holds; or, where `model` is the one
     parallelize consumed ([Note: one copy of the truth] in fxpar/runtime/ownership.py), on pm's own weights
     gathered, which checks the rewrite."""
-    compiled, comm = pm.compiled, pm.comm
-    flat = pm.flatten_inputs(example_args, example_kwargs)
+    compiled, comm = pm.compiled, pm.rank.comm
+    flat, inputs = call_inputs(pm, example_args, example_kwargs)
     reference = compiled.traced.gm
     if is_released(model):  # the consumed model keeps its buffers (non-persistent ones pm does not gather)
-        state = dict(model.named_buffers(remove_duplicate=False)) | pm.full_tensors()
+        state = dict(model.named_buffers(remove_duplicate=False)) | full_tensors(pm)
     else:
         state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     ref = _Recorder(reference)
     ref_out = ref.run(*resolve_inputs(graph_inputs(reference), state, compiled.traced.constants, flat))
     par = _Recorder(compiled.tp_graph)  # after tensor parallelism, before the passes that rename and fuse
-    par.run(*pm.graph_inputs(flat))
+    par.run(*inputs)
     by_origin = {n.meta[FXPAR_ORIGIN]: n for n in compiled.tp_graph.graph.nodes if FXPAR_ORIGIN in n.meta}
     blank = unwritten(reference.graph)  # allocated, not yet written: nothing to compare
     order = [n.name for n in reference.graph.nodes if n.op not in ("placeholder", "output") and n not in blank]
@@ -92,7 +93,7 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
                                f"placement {placement or 'R'}: max relative error {err:.3g} > {tol}"
             break
     if first > len(order):
-        err = _max_err(list(pm.graph_module(*pm.graph_inputs(flat))), list(ref_out))
+        err = _max_err(list(compiled.callables[0](*call_inputs(pm, example_args, example_kwargs)[1])), list(ref_out))
         worst = max(worst, err)
         if err > tol:
             first, detail = len(order), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"

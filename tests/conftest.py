@@ -3,7 +3,8 @@
 * Puts the repository root on ``sys.path`` so that ``tests.harness`` imports from any working
   directory and under either pytest import mode. Spawned ranks inherit this ``sys.path``, so they can
   import the test module that defines a scenario (``test_foo`` or ``tests.test_foo``) by name.
-* After each test module, fails if it left child processes running (an unclosed ``RankPool``).
+* After each test module, fails if it left child processes running (an unclosed ``RankPool``), other than the
+  ranks of the pools the modules share (tests/harness.py shared_pool), which are closed at the end of the session.
 * Sorts tests by cost with markers (pyproject.toml lists them): a test that takes a ``pool*`` fixture is marked
   ``gloo`` here; tests that start ranks, torchrun or long runs by other means are marked where they are written.
   ``make test-fast`` runs the rest: one process, seconds.
@@ -27,11 +28,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gloo)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from tests.harness import close_shared_pools
+
+    close_shared_pools()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_leftover_processes(request):
     """Torn down after the module's own fixtures (it is set up first), so its pools are closed by then."""
     yield
-    leftover = multiprocessing.active_children()
+    from tests.harness import shared_pids
+
+    shared = shared_pids()
+    leftover = [p for p in multiprocessing.active_children() if p.pid not in shared]
     for proc in leftover:
         proc.kill()
         proc.join()

@@ -148,10 +148,10 @@ def _chained(pm, args, kwargs):
     import torch.utils._pytree as pytree
 
     program = pm.compiled
-    flat = pm.flatten_inputs(args, kwargs)
+    flat = pm._flatten_inputs(args, kwargs)
     received = []
     for chunk in program.partition.chunks:
-        received = list(program.callables[chunk.index](*pm.chunk_inputs(chunk, flat, received, program)))
+        received = list(program.callables[chunk.index](*pm._chunk_inputs(chunk, flat, received, program)))
     return pytree.tree_unflatten(received, program.traced.out_spec)
 
 
@@ -289,8 +289,8 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
         return result  # every rank takes the same branch, or one would wait in a collective alone
     try:
         with _tracing():
-            pp = ParallelModule(chain_model, retarget(first, chain_model, pp=2))
-            pp.plan = pp.make_plan(pp.compiled)  # traces the chunks' joint programs now (--joint-graph)
+            pp = ParallelModule(chain_model, retarget(first, chain_model, pp=2))  # its plan traces the chunks' joint
+            # programs now (--joint-graph)
         got = _chained(pp, cargs, ckwargs)
         fwd = max(_gap(g, w) for g, w in zip(_flat(got), _flat(chain_ref(*cargs, **ckwargs))))
         params = _sgd_gap(list(pp.parameters()), pp.full_state_dict, chain_ref, got, chain_ref(*cargs, **ckwargs))
@@ -370,7 +370,15 @@ def run_one(source: str, tp: int = 2, timeout_s: float = 120.0) -> dict:
     "float64 arbiter"). A model so ill-conditioned that its own float32 error is large (outputs of 1e7 through a
     sine) amplifies float64 rounding too: its float64 gap may then reach 100x that error scaled by the ratio of the
     two machine epsilons (what rounding predicts), never more. A wrong rewrite is off by the same amount in
-    either precision, far above both bounds."""
+    either precision, far above both bounds.
+
+    [Note: a gap that scales with epsilon] A rewrite can also change how a model amplifies rounding: the fused
+    attention (SDPA) recomputes its softmax in backward from the saved log-sum-exp, so attention logits of 1e6 (an
+    unnormalized stack whose activations reach 5e6, seed 9501460) lose the probabilities' low bits there, while the
+    unmodified model saves them. Its float32 gap is then large (44.9) and its float64 gap 9.2e-8: 2^-29 of it, the
+    ratio of the machine epsilons. A gap that shrinks by that ratio in float64 (within 10x) is rounding, whatever
+    amplified it; a wrong rewrite's does not shrink. Such models are counted "float64 arbiter" and listed, and
+    docs/soundness.md says what the fusion changes."""
     result = _arbitrated(source, tp, timeout_s)
     expected = expected_refusal(source)
     if expected is None or result["outcome"] in ("skipped", "crash", "hang", "invalid"):
@@ -397,10 +405,13 @@ def _arbitrated(source: str, tp: int, timeout_s: float) -> dict:
     wide_built = (copy.deepcopy(model).double(), *map(_double, inputs))
     own = _own_rounding(built, wide_built)
     wide = _on_ranks(wide_built, tp, timeout_s)
-    if wide["outcome"] == "exact" and result["gap"] <= 10 * own or wide["outcome"] == "mismatch" and \
-            result["gap"] <= 10 * own and wide["gap"] <= 100 * own * _EPS_RATIO:
-        return wide | {"outcome": "exact", "arbiter": f"float32 {result['detail']}; the unmodified model's own float32 error (against "
-                                  f"float64) {own:.3g}; float64 {wide['detail']}"}
+    rounding = wide["outcome"] == "exact" and result["gap"] <= 10 * own or wide["outcome"] == "mismatch" and \
+        result["gap"] <= 10 * own and wide["gap"] <= 100 * own * _EPS_RATIO
+    # [Note: a gap that scales with epsilon]
+    scales = wide["outcome"] in ("exact", "mismatch") and wide.get("gap", 1.0) <= 10 * result["gap"] * _EPS_RATIO
+    if rounding or scales:
+        return wide | {"outcome": "exact", "arbiter": f"float32 {result['detail']}; the unmodified model's own float32 "
+                                                      f"error (against float64) {own:.3g}; float64 {wide['detail']}"}
     return wide if wide["outcome"] not in ("refused", "exact") else result
 
 

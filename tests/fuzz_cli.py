@@ -10,35 +10,19 @@ from tests.fuzz import LOSS, NOT_FUZZED, OPTIONS, _config, fuzz_jobs, mode_argv
 
 
 def config_option(text: str) -> tuple[str, object]:
-    """One --config KEY=VALUE: the value parsed as the type of fxpar.Config's field KEY (a bool: true or false,
-    None: none, a tuple: comma-separated, nothing for the empty one)."""
-    import types
-    import typing
-
-    from fxpar.config import Config
+    """One --config KEY=VALUE: the value parsed as the type of fxpar.Config's field KEY, as fxpar's own Config flags
+    parse it (fxpar/cli/config_flags.py parse_field: a bool true or false, None none, a tuple comma-separated)."""
+    from fxpar.cli.config_flags import parse_field
 
     key, eq, value = text.partition("=")
-    hints = typing.get_type_hints(Config)
-    if not eq or key not in hints:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY one of {sorted(hints)}, got {text!r}")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a field of fxpar.Config, got {text!r}")
     if key in NOT_FUZZED:
         raise argparse.ArgumentTypeError(f"{key} is not fuzzed: {NOT_FUZZED[key]}")
-    hint = hints[key]
-    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    order = [type(None), bool, int, float, tuple, str]  # str last: it takes anything
-    for kind in sorted(kinds, key=lambda k: order.index(typing.get_origin(k) or k)):
-        if kind is type(None) and value.lower() == "none":
-            return key, None
-        if kind is bool and value.lower() in ("true", "false"):
-            return key, value.lower() == "true"
-        if typing.get_origin(kind) is tuple:
-            return key, tuple(v for v in value.split(",") if v)
-        if kind in (int, float, str):
-            try:
-                return key, kind(value)
-            except ValueError:
-                continue
-    raise argparse.ArgumentTypeError(f"{key}={value!r}: not a {hint}")
+    try:
+        return key, parse_field(key, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def report(summary: dict, count: int, start: int, seconds: float, cpu: float | None = None) -> str:

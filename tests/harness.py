@@ -1,4 +1,4 @@
-"""Multi-process gloo harness for tests: one pool of ranks per test module (STYLE.md item 13).
+"""Multi-process gloo harness for tests: pools of ranks shared by the test modules (STYLE.md item 13).
 
 Modelled on PyTorch's ``MultiProcContinuousTest``. ``RankPool(world_size)`` spawns its ranks at the first
 ``run`` and keeps them for every later one, since a gloo group costs 3 to 4 s to start on 2 cores.
@@ -67,16 +67,48 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
+SHARED_SIZES = (1, 2, 4)  # the world sizes whose pools every test module shares (shared_pool)
+SHARED_TIMEOUT_S = 240.0  # their process-group timeout: the longest any module asks for
+_SHARED: dict[int, RankPool] = {}
+
+
 def module_pool(world_size: int, **pool_kwargs):
-    """Return a module-scoped pytest fixture holding a ``RankPool``; in a test file: ``pool2 = module_pool(2)``."""
+    """Return a module-scoped pytest fixture holding a ``RankPool``; in a test file: ``pool2 = module_pool(2)``.
+    For 1, 2 and 4 ranks it is the session's shared pool (shared_pool), so ranks are started, and torch, the model
+    libraries and the compiler warmed up, once per suite instead of once per module; other sizes get a pool of their
+    own, closed after the module."""
     import pytest
 
     @pytest.fixture(scope="module")
     def pool():
+        if world_size in SHARED_SIZES:
+            yield shared_pool(world_size)
+            return
         with RankPool(world_size, **pool_kwargs) as p:
             yield p
 
     return pool
+
+
+def shared_pool(world_size: int) -> RankPool:
+    """The session's pool of `world_size` ranks (started at its first run; after a failure its next run starts
+    fresh ranks). Scenarios leave no state behind them (between scenarios a rank only reseeds), which is what
+    makes sharing ranks across modules sound; close_shared_pools() ends them (tests/conftest.py, at the end)."""
+    pool = _SHARED.get(world_size)
+    if pool is None or pool._closed:
+        pool = _SHARED[world_size] = RankPool(world_size, timeout_s=SHARED_TIMEOUT_S)
+    return pool
+
+
+def shared_pids() -> set[int]:
+    """The process ids of the shared pools' live ranks (which outlive each module by design)."""
+    return {pid for pool in _SHARED.values() for pid in pool.pids}
+
+
+def close_shared_pools() -> None:
+    for pool in _SHARED.values():
+        pool.close()
+    _SHARED.clear()
 
 
 class RankPool:

@@ -31,7 +31,7 @@ def _code(gm) -> str:
 class TestGolden(expecttest.TestCase):
     def test_mlp_column_then_row(self):
         pm = build(MLP(), TPComm(rank=0, size=2), (torch.randn(2, 8),))
-        self.assertExpectedInline(_code(pm.graph_module), """\
+        self.assertExpectedInline(_code(pm.compiled.callables[0]), """\
 def forward(self, p_fc1_weight, p_fc1_bias, p_fc2_weight, p_fc2_bias, x):
 tp_f_0 = self.tp_f_0(x)
 linear = torch.ops.aten.linear.default(tp_f_0, p_fc1_weight, p_fc1_bias);  tp_f_0 = p_fc1_weight = p_fc1_bias = None
@@ -44,7 +44,7 @@ return (add,)""")
 
     def test_gpt2_heads_view_is_localized(self):
         model, args, kwargs = models.build("gpt2")
-        code = build(model, TPComm(rank=1, size=2), args, kwargs).graph_module.code
+        code = build(model, TPComm(rank=1, size=2), args, kwargs).compiled.callables[0].code
         assert "aten.split_with_sizes.default(view_2, [16, 16, 16], 2)" in code  # Q|K|V, 2 of 4 heads each
         assert "aten.view.default(getitem, [2, 8, -1, 8])" in code  # GPT-2 leaves the heads to -1
 
@@ -64,7 +64,7 @@ def test_refuses_norm_over_the_sharded_dim():
     assert fc1.columns == [] and fc1.replicated == ["linear"]
     assert "normalizes over the sharded dim" in fc1.reason
     assert fc2.replicated == ["linear_1"] and "residual stream" in fc2.reason  # x + fc2(...): x would be scattered
-    assert "tp_" not in pm.graph_module.code  # replicated: no collective at all
+    assert "tp_" not in pm.compiled.callables[0].code  # replicated: no collective at all
 
 
 def test_fused_parts_found_per_model():
@@ -85,7 +85,7 @@ def test_gqa_kv_heads_stay_replicated_when_t_does_not_divide():
     attn = pm.plan.regions[0]
     assert attn.columns == ["linear"] and attn.replicated == ["linear_1", "linear_2"]
     assert "has 2 (heads or features) to split over t=4" in attn.reason
-    assert "tp_scatter" in pm.graph_module.code  # k and v enter the region as this rank's heads
+    assert "tp_scatter" in pm.compiled.callables[0].code  # k and v enter the region as this rank's heads
 
 
 def test_t1_pass_returns_same_graph():
@@ -115,7 +115,7 @@ def test_the_residual_stream_does_not_join_a_region():
     o, mlp = pm.plan.regions
     assert o.columns == [] and "residual stream" in o.reason, o  # else: h sharded, an all-reduce per GEMM
     assert mlp.columns == ["linear_1"] and mlp.rows == ["linear_2"], mlp
-    assert pm.graph_module.code.count("self.tp_g_") == 1
+    assert pm.compiled.callables[0].code.count("self.tp_g_") == 1
 
 
 class Routed(nn.Module):

@@ -15,9 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(target: str, *flags: str) -> subprocess.CompletedProcess:
+    """`fxpar check` as a user runs it: its own process, its exit status."""
     return subprocess.run([sys.executable, "-m", "fxpar.cli.main", "check", target, *flags], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=600)
+
+
+def _check_here(capsys, target: str, *flags: str) -> subprocess.CompletedProcess:
+    """The same command run from this process (its ranks are processes all the same): what it prints and returns."""
+    from fxpar.cli.main import main
+
+    capsys.readouterr()
+    code = main(["check", target, *flags])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["fxpar", "check", target, *flags], code, out.out, out.err)
 
 
 def test_the_example_gpt_is_exact_at_t2():
@@ -28,8 +39,8 @@ def test_the_example_gpt_is_exact_at_t2():
     assert ledger.count("2 g") == 4 and ledger.count("2 f") == 4 and "ABOVE" not in ledger, ledger
 
 
-def test_sequence_parallelism_is_checked_and_its_ledger_counted():
-    out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--sequence-parallel")
+def test_sequence_parallelism_is_checked_and_its_ledger_counted(capsys):
+    out = _check_here(capsys, "examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--sequence-parallel")
     assert out.returncode == 0, out.stdout + out.stderr
     ledger = out.stdout.split("communication per layer")[1]
     # each collective under the pass that runs it, against Megatron's 4 + 6 with sequence parallelism
@@ -47,16 +58,17 @@ def test_the_example_gpt_is_exact_at_p2_t2():
     assert "t=2 p=2 d=1 v=1 m=4 1f1b" in out.stdout and "exact" in out.stdout, out.stdout
 
 
-def test_a_hugging_face_llama_with_labels_is_exact():
-    out = _check("tests/check_targets.py:llama_labels", "--tp", "2", "--steps", "2")
+def test_a_hugging_face_llama_with_labels_is_exact(capsys):
+    out = _check_here(capsys, "tests/check_targets.py:llama_labels", "--tp", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exact" in out.stdout and "model.layers.1" in out.stdout, out.stdout
 
 
-def test_uneven_valid_targets_are_checked_against_the_whole_batch():
+def test_uneven_valid_targets_are_checked_against_the_whole_batch(capsys):
     """Labels with ignored targets: every microbatch draws its own mask, so their counts of valid targets differ,
     and step() must equal the model on the whole batch on one process (a mean over all its valid targets)."""
-    out = _check("tests/check_targets.py:llama_masked_labels", "--tp", "2", "--microbatches", "2", "--steps", "2")
+    out = _check_here(capsys, "tests/check_targets.py:llama_masked_labels", "--tp", "2", "--microbatches", "2",
+                      "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exact" in out.stdout and "m=2" in out.stdout, out.stdout
 
@@ -99,20 +111,22 @@ def test_a_broken_executable_exits_1_naming_the_step_and_parameter():
     assert "MISMATCH: step 0:" in out.stdout, out.stdout
 
 
-def test_bf16_judges_its_losses_and_the_plan_in_fp32():
-    out = _check("examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--precision", "bf16")
+def test_bf16_judges_its_losses_and_the_plan_in_fp32(capsys):
+    out = _check_here(capsys, "examples/gpt.py:lm", "--tp", "2", "--steps", "2", "--precision", "bf16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bf16 against the same recipe on one process" in out.stdout and "exact" in out.stdout, out.stdout
-    broken = _check("tests/check_targets.py:broken", "--tp", "2", "--steps", "2", "--precision", "bf16")
+    broken = _check_here(capsys, "tests/check_targets.py:broken", "--tp", "2", "--steps", "2", "--precision", "bf16")
     # its bf16 losses drift apart within two steps (5.6e-4, then 4.7e-3 here); the fp32 run would catch it at step 0
     assert broken.returncode == 1 and "MISMATCH: step" in broken.stdout, broken.stdout
 
 
-def test_bad_flags_are_refused():
-    out = _check("examples/gpt.py:lm", "--tp", "0")
-    assert out.returncode == 2 and "--tp must be a positive integer, got 0" in out.stderr, out.stderr
-    out = _check("examples/gpt.py:lm", "--tp", "1", "--pp", "2", "--vpp", "2", "--schedule", "1f1b")
-    assert out.returncode == 2 and "use schedule 'interleaved-1f1b' for v > 1" in out.stdout, out.stdout
+def test_bad_flags_are_refused_before_any_rank_starts(capsys):
+    from fxpar.cli.main import main
+
+    assert main(["check", "examples/gpt.py:lm", "--tp", "0"]) == 2
+    assert "--tp must be a positive integer, got 0" in capsys.readouterr().err
+    assert main(["check", "examples/gpt.py:lm", "--tp", "1", "--pp", "2", "--vpp", "2", "--schedule", "1f1b"]) == 2
+    assert "use schedule 'interleaved-1f1b' for v > 1" in capsys.readouterr().err
 
 
 def test_the_float64_arbiter_runs_a_hugging_face_loss_in_float64():

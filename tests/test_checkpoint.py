@@ -360,7 +360,7 @@ def _from_meta(name, path, layout) -> tuple[list[str], dict]:
     example, _ = _batches((torch.zeros(1, 8, dtype=torch.long),))[0]
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=t, pp=p, dp=d), example_args=(example[:BATCH // (2 * d)],),
                            example_kwargs=kwargs, loss_fn=_loss, config=fxpar.Config(microbatches=2))
-    held = {k: (v.device.type, v.numel()) for k, v in pm.held().items()}
+    held = {k: (v.device.type, v.numel()) for k, v in pm.rank.weights.held().items()}
     assert all(device == "cpu" for device, _ in held.values()), held
     refused = []
     for attempt in (lambda: pm.step(example, target=example, **kwargs), lambda: fxpar.save(path + "-x", pm),
@@ -455,7 +455,7 @@ def test_gpt3_175b_on_meta_yields_a_t8_ranks_local_shapes_without_allocating():
               "with torch.device('meta'):\n"
               "    model, args = factory()\n"
               "pm = build(model, TPComm(rank=0, size=8), args)\n"
-              "held = pm.held()\n"
+              "held = pm.rank.weights.held()\n"
               "print(json.dumps({'shapes': {k: list(v.shape) for k, v in held.items() if k.startswith(('wte', 'lm_', "
               "'blocks.0.'))}, 'devices': sorted({v.device.type for v in held.values()}),\n"
               "                  'params': sum(v.numel() for v in held.values()),\n"

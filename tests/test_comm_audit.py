@@ -161,7 +161,8 @@ def test_the_check_ledger_with_sequence_parallelism():
     from fxpar.cli.check_command import ledger
 
     pm = _sequence_parallel_plan("gpt")
-    text = ledger(CheckResult("exact", CheckSpec("gpt", sequence_parallel=True), ledger=list(pm.plan.comm)))
+    spec = CheckSpec("gpt", config={"sequence_parallel": True})
+    text = ledger(CheckResult("exact", spec, ledger=list(pm.plan.comm)))
     layer = ("2 all-gather (seq_gather_linear), 2 reduce-scatter (seq_reduce_scatter)  6.0 KiB       "
              "2 all-gather again (seq_gather_linear), 2 reduce-scatter (seq_gather_linear), 2 all-gather "
              "(seq_reduce_scatter)  8.0 KiB       1 seq_weights")

@@ -145,7 +145,7 @@ def _trained(name: str, config: dict, steps: int = 2):
     dp, planned = [r.backward for r in rows if r.layer == DP_ROW], dict(_planned(rows, m))
     from fxpar.runtime.pipeline_executable import Stage
 
-    signatures = [len(program.by_signature) for cb in pm.program_buckets(Stage(pm, pm._planned)).values()
+    signatures = [len(program.by_signature) for cb in pm._program_buckets(Stage(pm, pm._planned)).values()
                   for program in cb.programs.values()]
     no_grad = name == "frozen" and dict(pm.named_parameters())["gate.weight"].grad is None \
         and reference.gate.weight.grad is None

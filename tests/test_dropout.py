@@ -43,8 +43,8 @@ def _dropout_draws(per_rank_seed: bool):
     if per_rank_seed:
         torch.manual_seed(1000 + dist.get_rank())  # users often seed each rank differently
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=(ids,), config=fxpar.Config(fuse=False))
-    rec = _Recorder(pm.graph_module)
-    logits = rec.run(*pm.graph_inputs([ids]))[0]
+    rec = _Recorder(pm.compiled.callables[0])
+    logits = rec.run(*pm._graph_inputs([ids]))[0]
     out = {"logits_gap": _gap_across_ranks(logits)}
     for stream in ("replicated", "sharded"):
         kept = [(x != 0, y != 0) for s, x, y in rec.draws if s == stream]
@@ -113,7 +113,7 @@ def test_golden_each_random_op_draws_from_its_placements_stream():
     from fxpar.passes.tensor_parallel.collectives import TPComm
     from tests.golden import graph_text
 
-    gm = build(_DropMLP(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),)).graph_module
+    gm = build(_DropMLP(), TPComm(rank=0, size=2), (torch.randn(2, 3, 8),)).compiled.callables[0]
     TestCase().assertExpectedInline(graph_text(gm), """\
 rng_0 = rng_0(x, 0.1, True)  # R 2x3x8  [stream replicated]
 tp_f_0 = tp_f_0(rng_0)  # R 2x3x8  [f in place]

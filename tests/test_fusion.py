@@ -228,8 +228,8 @@ def fused_vs_unfused(name: str, t: int, eager_attention: bool = False) -> dict:
     unfused = fxpar.Config(fuse=False)  # this test applies the passes itself
     pm = build(model, TPComm(0, 1), args, kwargs, config=unfused) if t == 1 else \
         fxpar.parallelize(model, fxpar.init_mesh(tp=t), example_args=args, example_kwargs=kwargs, config=unfused)
-    ref = pm.graph_module
-    values = pm.traced.values(buffers)
+    ref = pm.compiled.callables[0]
+    values = pm.compiled.traced.values(buffers)
     l0, g0, saved0 = loss_grads_saved(pm, args, kwargs)
     result = {"saved_unfused": saved0}
     for label, fn in (("default", functools.partial(fusion_pass, values=values)),

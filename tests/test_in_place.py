@@ -32,7 +32,7 @@ class PerHeadScale(nn.Module):
 def _decisions(model, args, kwargs=None):
     """(kind, what it reads, in place) of every f and g of the executable's graph."""
     pm = build(model, TPComm(rank=0, size=2), args, kwargs or {})
-    gm = pm.graph_module
+    gm = pm.compiled.callables[0]
     return [(comm_kind(n), n.args[0].name, gm.get_submodule(n.target).in_place) for n in gm.graph.nodes
             if n.op == "call_module" and comm_kind(n) in ("f", "g")], pm
 
@@ -60,7 +60,7 @@ def test_the_graph_kept_for_verify_still_clones():
 
 
 def test_golden_an_mlp_reduces_in_place_and_a_weights_f_keeps_its_copy():
-    gm = build(PerHeadScale(), TPComm(rank=0, size=2), (torch.randn(2, 3, H),)).graph_module
+    gm = build(PerHeadScale(), TPComm(rank=0, size=2), (torch.randn(2, 3, H),)).compiled.callables[0]
     TestCase().assertExpectedInline(graph_text(gm), """\
 tp_f_0 = tp_f_0(x)  # R 2x3x16  [f in place]
 linear = linear.default(tp_f_0, p_up_weight, p_up_bias)  # S(2) 2x3x32

@@ -156,8 +156,8 @@ def test_no_two_modules_share_a_name():
 
 
 def test_no_module_reads_the_executables_private_attributes():
-    """A rank's weights live in pm.weights (fxpar/runtime/weights.py RankWeights); the program cache, config, loss
-    scaler and distributed optimizer are properties. Only the executable's own classes touch its private attributes."""
+    """A rank's state lives in pm.rank (fxpar/runtime/executable.py RankState: its weights, program cache, loss
+    scaler, distributed optimizer, groups). Only the executable's own classes touch its private attributes."""
     own = {"executable.py", "pipeline_executable.py"}
     found = []
     for path in _sources("fxpar"):

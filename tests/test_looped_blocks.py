@@ -87,7 +87,7 @@ def test_looped_block_on_sequence_blocks_is_exact(no_grad, carry):
 def test_every_seq_weights_runs_in_the_grad_mode_of_its_readers(no_grad):
     """A seq_weights and every op that reads its weights lie between the same grad-mode calls."""
     config = fxpar.Config(sequence_parallel=True, fuse=False)
-    gm = build(_model(no_grad=no_grad), TPComm(rank=0, size=2), (_x(),), config=config).graph_module
+    gm = build(_model(no_grad=no_grad), TPComm(rank=0, size=2), (_x(),), config=config).compiled.callables[0]
     span, spans = 0, {}
     for n in gm.graph.nodes:
         span += n.op == "call_function" and n.target is torch._C._set_grad_enabled

@@ -187,7 +187,7 @@ def _overflow():
     loss = pm.step(args[0], target=args[0])
     opt.step()
     same = all(torch.equal(before[k], v) for k, v in pm.state_dict().items())
-    return torch.isfinite(loss).item(), pm._scaler.found_inf, same
+    return torch.isfinite(loss).item(), pm.rank.scaler.found_inf, same
 
 
 def test_fp16_overflow_skips_the_step(pool2):
@@ -229,7 +229,7 @@ def test_autocast_around_a_fused_gpt():
     for fuse in (True, False):
         config = fxpar.Config(fuse=fuse, recompute="selective" if fuse else "none")
         pm = fxpar.parallelize(copy.deepcopy(model), None, example_args=args, config=config)
-        fused = {n.meta.get(FXPAR_FUSED) for n in pm.graph_module.graph.nodes}
+        fused = {n.meta.get(FXPAR_FUSED) for n in pm.compiled.callables[0].graph.nodes}
         assert ("bias_gelu_linear" in fused) == fuse, fused
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = pm(*args)

@@ -16,7 +16,7 @@ def _chain(pm, partition, flat):
     """Run the chunks one after another in this process, handing each boundary to the next."""
     received = []
     for chunk in partition.chunks:
-        received = list(chunk.gm(*pm.chunk_inputs(chunk, flat, received)))
+        received = list(chunk.gm(*pm._chunk_inputs(chunk, flat, received)))
     return received
 
 
@@ -24,9 +24,9 @@ def _chain(pm, partition, flat):
 def test_chained_chunks_equal_the_whole_graph(name, k):
     model, args, kwargs = models.build(name)
     pm = build(model, TPComm(0, 1), args, kwargs)
-    flat = pm.flatten_inputs(args, kwargs)
-    whole = pm.graph_module(*pm.graph_inputs(flat))
-    part = partition_pass(pm.graph_module, k)
+    flat = pm._flatten_inputs(args, kwargs)
+    whole = pm.compiled.callables[0](*pm._graph_inputs(flat))
+    part = partition_pass(pm.compiled.callables[0], k)
     assert [c.index for c in part.chunks] == list(range(k))
     chained = _chain(pm, part, flat)
     assert len(chained) == len(whole) and all(torch.equal(a, b) for a, b in zip(chained, whole))
@@ -35,8 +35,8 @@ def test_chained_chunks_equal_the_whole_graph(name, k):
 def test_boundary_is_the_residual_stream_only():
     model, args, kwargs = models.build("llama8")
     pm = build(model, TPComm(0, 1), args, kwargs)
-    part = partition_pass(pm.graph_module, 4)
-    assert find_layers(pm.graph_module).main.path == "model.layers" == part.block
+    part = partition_pass(pm.compiled.callables[0], 4)
+    assert find_layers(pm.compiled.callables[0]).main.path == "model.layers" == part.block
     for chunk in part.chunks[1:]:
         assert len(chunk.boundary_in) == 1  # masks and rotary tables are recomputed, not sent
     assert [c.layers for c in part.chunks] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -66,7 +66,7 @@ class TwoBlocks(nn.Module):
 
 def test_golden_two_chunks_hand_over_the_residual_stream():
     pm = build(TwoBlocks(), TPComm(0, 1), (torch.randn(2, 3, 8),))
-    part = partition_pass(pm.graph_module, 2)
+    part = partition_pass(pm.compiled.callables[0], 2)
     text = "".join(f"chunk {c.index} layers {c.layers}: in {list(c.boundary_in)} out {list(c.boundary_out)}\n"
                    f"{graph_text(c.gm, placements=False)}" for c in part.chunks)
     TestCase().assertExpectedInline(text, """\

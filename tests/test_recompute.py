@@ -132,9 +132,9 @@ def _step(pm, args, kwargs):
         y = models.first_tensor(pm(*args, **kwargs))
         return F.cross_entropy(y.flatten(0, 1), args[0].flatten())
 
-    with count_collectives(pm.comm) as fwd_comm:
+    with count_collectives(pm.rank.comm) as fwd_comm:
         loss, saved = saved_activation_bytes(forward, list(pm.parameters()) + list(pm.buffers()))
-    with count_collectives(pm.comm) as bwd_comm:
+    with count_collectives(pm.rank.comm) as bwd_comm:
         loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()}, saved, (fwd_comm[0], bwd_comm[0])
 
@@ -157,8 +157,8 @@ def recompute_matrix(name: str, t: int, **gpt_overrides) -> dict:
     unfused = fxpar.Config(fuse=False)  # this test applies the passes itself
     pm = build(model, TPComm(0, 1), args, kwargs, config=unfused) if t == 1 else \
         fxpar.parallelize(model, fxpar.init_mesh(tp=t), example_args=args, example_kwargs=kwargs, config=unfused)
-    ref = pm.graph_module
-    values = pm.traced.values(buffers)
+    ref = pm.compiled.callables[0]
+    values = pm.compiled.traced.values(buffers)
     out = {}
     for fuse in (False, True):
         base = fusion_pass(fx.GraphModule(ref, copy.deepcopy(ref.graph)), values) if fuse else ref

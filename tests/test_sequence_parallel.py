@@ -40,7 +40,7 @@ def test_golden_gpt_layer_on_sequence_blocks():
     one per module: a single layer is no stack of layers)."""
     model, args = _gpt()
     config = fxpar.Config(sequence_parallel=True, fuse=False)
-    gm = build(model, TPComm(rank=0, size=2), args, config=config).graph_module
+    gm = build(model, TPComm(rank=0, size=2), args, config=config).compiled.callables[0]
     TestCase().assertExpectedInline(graph_text(gm), """\
 arange = arange.default(4)  # R 4
 tp_vocab_embedding_0 = tp_vocab_embedding_seq_0(p_wte_weight, ids)  # S(1) 2x2x16  [vocab_embedding_seq]
@@ -117,7 +117,7 @@ def test_the_plan_says_what_ran_on_blocks():
 def test_off_without_a_config_flag_or_at_t1():
     model, args = _gpt()
     for config, comm in ((fxpar.Config(), TPComm(0, 2)), (SP, TPComm(0, 1))):
-        gm = build(copy.deepcopy(model), comm, args, config=config).graph_module
+        gm = build(copy.deepcopy(model), comm, args, config=config).compiled.callables[0]
         kinds = {comm_kind(n) for n in gm.graph.nodes}
         assert not kinds & {Comm.SEQ_GATHER, Comm.SEQ_REDUCE_SCATTER, Comm.VOCAB_EMBEDDING_SEQ}
 
@@ -229,7 +229,7 @@ def test_exact_with_recompute(recompute):
 def test_dropout_on_a_sequence_block_draws_from_the_ranks_own_stream():
     model, args = _gpt(layers=1, dropout=0.1)
     model.train()
-    gm = build(model, TPComm(rank=0, size=2), args, config=SP).graph_module
+    gm = build(model, TPComm(rank=0, size=2), args, config=SP).compiled.callables[0]
     streams = {n.args[0].name if n.args else n.name: n.meta[FXPAR_RANDOM] for n in gm.graph.nodes
                if FXPAR_RANDOM in n.meta}
     assert streams and set(streams.values()) == {"sharded"}, streams
@@ -343,8 +343,8 @@ def test_weights_are_sharded_as_without_it():
     """Sequence parallelism moves activations only: every weight has the placement it has without it, so a
     checkpoint (fxpar.save: each weight's shards by its placement) loads with it or without it."""
     model, args = _gpt(layers=2)
-    specs = [build(copy.deepcopy(model), TPComm(rank=0, size=2), args, config=fxpar.Config(sequence_parallel=on)).specs
-             for on in (False, True)]
+    specs = [build(copy.deepcopy(model), TPComm(rank=0, size=2), args,
+                   config=fxpar.Config(sequence_parallel=on)).compiled.specs for on in (False, True)]
     assert specs[0] == specs[1] and specs[0]
 
 
@@ -406,6 +406,6 @@ def test_gemms_on_flattened_rows_save_blocks_too():
     GEMMs, the 2-D view inside, so no layer saves a whole gathered sequence. The one before the LM head reaches its
     GEMM through a 3-D view and an alias, and stays a plain all-gather."""
     model, args, kwargs = models.build("gpt2")
-    gm = build(model, TPComm(rank=0, size=2), args, kwargs, config=SP).graph_module
+    gm = build(model, TPComm(rank=0, size=2), args, kwargs, config=SP).compiled.callables[0]
     kinds = collections.Counter(comm_kind(n) for n in gm.graph.nodes)
     assert kinds[Comm.SEQ_GATHER_LINEAR] == 4 and kinds[Comm.SEQ_GATHER] == 1, kinds

@@ -130,4 +130,4 @@ def test_pipeline_parallelism_refuses_a_looped_block_clearly():
 
     pm = build(_model(), TPComm(rank=0, size=1), (_x(),))
     with pytest.raises(ValueError, match=r"second application of its layer .* Fix: pp=1"):
-        partition_pass(pm.graph_module, 2)
+        partition_pass(pm.compiled.callables[0], 2)

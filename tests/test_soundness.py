@@ -93,7 +93,7 @@ def _pipeline_exact(name: str, scatter_gather: bool):
     target = torch.randn(*x.shape[:-1], out_dim(model, args), generator=torch.Generator().manual_seed(4))
     config = fxpar.Config(microbatches=4, scatter_gather=scatter_gather)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=args, loss_fn=loss_fn, config=config)
-    crossing = [str(b) for c in pm.partition.chunks for b in c.boundary_out]
+    crossing = [str(b) for c in pm.compiled.partition.chunks for b in c.boundary_out]
     return (*step_gaps(pm, reference, x, target, loss_fn, steps=3), crossing)
 
 
@@ -156,11 +156,11 @@ def _buffer_changes():
     model = CausalBuffer()
     x = torch.randn(2, 8, 16)
     pm = fxpar.parallelize(copy.deepcopy(model), fxpar.init_mesh(tp=2), example_args=(x,))
-    fused = "scaled_dot_product_attention" in pm.graph_module.code
+    fused = "scaled_dot_product_attention" in pm.compiled.callables[0].code
     with torch.no_grad():
         for m in (model, pm):
             m.get_buffer("mask").fill_(1.0)  # no mask at all now
-    return fused, (pm(x) - model(x)).abs().max().item(), "scaled_dot_product_attention" in pm.graph_module.code
+    return fused, (pm(x) - model(x)).abs().max().item(), "scaled_dot_product_attention" in pm.compiled.callables[0].code
 
 
 def test_a_buffer_a_rewrite_relied_on_is_checked(pool2):
@@ -331,7 +331,7 @@ def test_a_registered_custom_op_keeps_its_backward():
     model, x = LibraryOp(), torch.randn(2, 16)
     reference = copy.deepcopy(model)
     pm = build(model, TPComm(0, 1), (x,))
-    assert any("reversed_scale" in str(n.target) for n in pm.graph_module.graph.nodes)
+    assert any("reversed_scale" in str(n.target) for n in pm.compiled.callables[0].graph.nodes)
     pm(x).sum().backward()
     reference(x).sum().backward()
     assert torch.equal(pm.get_parameter("fc.bias").grad, reference.fc.bias.grad)

@@ -73,7 +73,7 @@ def _measure(pm, reference, x):
 
     fwd, params = sgd_gaps(pm, reference, (x,))
     share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
-    kinds = [n.meta.get(FXPAR_COMM) for n in pm.graph_module.graph.nodes]
+    kinds = [n.meta.get(FXPAR_COMM) for n in pm.compiled.callables[0].graph.nodes]
     return fwd, params, share, {k: kinds.count(k) for k in ("f", "g", "stat")}
 
 

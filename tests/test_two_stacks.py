@@ -77,7 +77,7 @@ def _train(name, p, t, v):
         gap = max(gap, abs(loss.item() - ref_loss.item()))
     full, want = pm.full_state_dict(), reference.state_dict()
     state_gap = max((full[k] - want[k]).abs().max().item() for k in want)
-    part = pm.partition
+    part = pm.compiled.partition
     chunks = [[part.entries[i] for i in c.layers] for c in part.chunks]
     local = sum(p.numel() for p in pm.parameters())
     return gap, state_gap, chunks, part.block, local / sum(p.numel() for p in reference.parameters())

@@ -62,7 +62,7 @@ def test_verify_still_fails_on_a_wrong_expert_shard():
     key = "model.layers.0.mlp.experts.gate_up_proj"
 
     def per_rank(pm, reference):
-        if pm.comm.rank == 1:
+        if pm.rank.comm.rank == 1:
             with torch.no_grad():
                 pm.get_parameter(key)[0, 0, 0] += 0.5
         try:

@@ -1,6 +1,6 @@
 """The package as users install it: a wheel built from the tree, installed into a fresh environment, outside the
 repository. An editable install (what `make` does) maps the folders itself and would hide a subpackage the wheel
-left out, so this builds and installs the wheel for real."""
+left out, so this builds and installs the wheel for real, and builds one from the sdist too."""
 from __future__ import annotations
 
 import os
@@ -51,6 +51,17 @@ def test_the_wheel_holds_every_package(wheel):
     with zipfile.ZipFile(wheel) as z:
         packaged = {os.path.dirname(n).replace("/", ".") for n in z.namelist() if n.endswith("/__init__.py")}
     assert packaged == _source_packages(), sorted(packaged ^ _source_packages())
+
+
+def test_a_wheel_built_from_the_sdist_holds_every_package(tmp_path):
+    """The source distribution (what an index serves where no wheel fits) carries every package, and the wheel pip
+    builds from it does too."""
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], check=True, cwd=ROOT,
+                   capture_output=True)
+    (sdist,) = tmp_path.glob("fxpar-*.tar.gz")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "wheel"), str(sdist)], check=True, cwd=tmp_path)
+    test_the_wheel_holds_every_package(next((tmp_path / "wheel").glob("fxpar-*.whl")))
 
 
 def test_the_wheel_installs_imports_and_checks_outside_the_repo(wheel, tmp_path):

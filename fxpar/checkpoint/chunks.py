@@ -64,10 +64,10 @@ class Chunked:
     def of(cls, pm, key: str, local: torch.Tensor | None = None) -> Chunked:
         """`local` (default: the tensor `pm` holds under `key`) as chunks of `key`'s full tensor, in `key`'s tp
         layout; a scalar (an optimizer's step count) is replicated."""
-        local = pm.weights.live[key].detach() if local is None else local
+        local = pm.rank.weights.live[key].detach() if local is None else local
         if not local.dim():
             return cls(local, (), None, 0, 1)
-        return cls(local, pm.weights.shapes[key], pm.weights.spec(key), pm.comm.rank, pm.comm.size)
+        return cls(local, pm.rank.weights.shapes[key], pm.rank.weights.spec(key), pm.rank.comm.rank, pm.rank.comm.size)
 
     def size(self) -> torch.Size:
         return self.full_shape

@@ -60,7 +60,7 @@ def save(path: str | os.PathLike, pm, optimizer=None, extra: dict | None = None,
         json.dumps(extra)
     except TypeError as e:
         raise ValueError(f"fxpar.save: extra must be JSON-serializable (checkpoints load weights only): {e}") from None
-    pm.check_loaded("would save garbage")
+    pm.rank.weights.check_loaded("would save garbage")
     items, layout = model_items(pm), layout_of(pm)
     manifest = {"format": FORMAT, "layout": layout, "extra": extra}
     if optimizer is not None:
@@ -125,12 +125,12 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     items.update(rng)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
-    pm.weights.mark_loaded()  # every key this rank holds was in the checkpoint (_check_keys)
+    pm.rank.weights.mark_loaded()  # every key this rank holds was in the checkpoint (_check_keys)
     if optimizer is not None:
         set_optimizer_tensors(pm, optimizer, targets)
         _set_hyper(path, optimizer, manifest["optimizer"])
     if rng:
-        pm.streams.set_states({k.rsplit("/", 1)[1]: v.local for k, v in rng.items()})
+        pm.rank.streams.set_states({k.rsplit("/", 1)[1]: v.local for k, v in rng.items()})
     return manifest["extra"]
 
 
@@ -145,14 +145,14 @@ def latest(root: str | os.PathLike) -> str | None:
 
 # ---- what a rank saves ------------------------------------------------------------------------------------------
 def layout_of(pm) -> dict:
-    g = getattr(pm, "groups", None)
-    return {"tp": pm.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1,
+    g = pm.rank.groups
+    return {"tp": pm.rank.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1,
             "vpp": pm.config.virtual_stages}
 
 
 def model_items(pm) -> dict[str, Chunked]:
     """model/<key> -> this rank's tensor of every key it holds, tied keys included."""
-    return {f"model/{k}": Chunked.of(pm, k) for k in pm.weights.held_keys()}
+    return {f"model/{k}": Chunked.of(pm, k) for k in pm.rank.weights.held_keys()}
 
 
 def optimizer_items(tensors: dict[str, dict[str, torch.Tensor]], pm) -> dict[str, Chunked]:
@@ -163,10 +163,10 @@ def optimizer_items(tensors: dict[str, dict[str, torch.Tensor]], pm) -> dict[str
 def rng_items(pm) -> dict[str, Chunked]:
     """rng/<tp>.<pp>.<dp>/<stream> -> this rank's random stream states ([Note: random streams] in
     passes/tensor_parallel/rng.py)."""
-    g = getattr(pm, "groups", None)
-    where = f"{pm.comm.rank}.{g.pp_rank if g else 0}.{g.dp_rank if g else 0}"
+    g = pm.rank.groups
+    where = f"{pm.rank.comm.rank}.{g.pp_rank if g else 0}.{g.dp_rank if g else 0}"
     return {f"rng/{where}/{name}": Chunked(state.clone(), tuple(state.shape), None, 0, 1)
-            for name, state in pm.streams.get_states().items()}
+            for name, state in pm.rank.streams.get_states().items()}
 
 
 def optimizer_tensors(pm, optimizer) -> dict[str, dict[str, torch.Tensor]]:
@@ -312,20 +312,20 @@ def read_manifest(path: str) -> dict:
 
 
 def _check_keys(path: str, pm, saved: dict) -> None:
-    mine = pm.weights.held_keys()
+    mine = pm.rank.weights.held_keys()
     missing = [k for k in mine if f"model/{k}" not in saved]
     if missing:
         raise ValueError(f"fxpar.load: {path} has no {missing[0]}" + (f" (nor {len(missing) - 1} more keys)" if
                          len(missing) > 1 else "") + ": it was saved from another model")
-    extra = sorted(set(f[len("model/"):] for f in saved if f.startswith("model/")) - set(pm.weights.keys))
+    extra = sorted(set(f[len("model/"):] for f in saved if f.startswith("model/")) - set(pm.rank.weights.keys))
     if extra:
         raise ValueError(f"fxpar.load: {path} holds {extra[0]}" + (f" (and {len(extra) - 1} more keys)" if
                          len(extra) > 1 else "") + ", which the model does not have: it was saved from another model")
     for k in mine:
         got = tuple(saved[f"model/{k}"].size)
-        if got != tuple(pm.weights.shapes[k]):
+        if got != tuple(pm.rank.weights.shapes[k]):
             raise ValueError(f"fxpar.load: {path} holds {k} of shape {got}; the model's is "
-                             f"{tuple(pm.weights.shapes[k])}")
+                             f"{tuple(pm.rank.weights.shapes[k])}")
 
 
 def _write_json(file: str, value: dict) -> None:

@@ -36,40 +36,40 @@ def load_safetensors(path: str, pm) -> None:
     """Read a directory of safetensors files into `pm` (see the module docstring). Collective."""
     reader = HFReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    mine = pm.weights.held_keys()
+    mine = pm.rank.weights.held_keys()
     by_tensor: dict[str, list[str]] = {}
-    for k in pm.weights.keys:
-        by_tensor.setdefault(pm.weights.aliases[k], []).append(k)
-    unexpected = sorted(set(saved) - set(pm.weights.aliases))
+    for k in pm.rank.weights.keys:
+        by_tensor.setdefault(pm.rank.weights.aliases[k], []).append(k)
+    unexpected = sorted(set(saved) - set(pm.rank.weights.aliases))
     if unexpected:
         raise ValueError(f"fxpar.load: {path} holds {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if
                          len(unexpected) > 1 else "") + ", which the model does not have: they are another model's")
     items = {}
     for key in mine:
-        source = next((k for k in by_tensor[pm.weights.aliases[key]] if k in saved), None)
+        source = next((k for k in by_tensor[pm.rank.weights.aliases[key]] if k in saved), None)
         if source is None:
             raise ValueError(f"fxpar.load: {path} has no {key} (nor a key tied to it): the files are another "
                              "model's, or incomplete")
-        if tuple(saved[source].size) != tuple(pm.weights.shapes[key]):
+        if tuple(saved[source].size) != tuple(pm.rank.weights.shapes[key]):
             raise ValueError(f"fxpar.load: {path} holds {source} of shape {tuple(saved[source].size)}; the model's "
-                             f"{key} is {tuple(pm.weights.shapes[key])}")
+                             f"{key} is {tuple(pm.rank.weights.shapes[key])}")
         if source not in items:
             items[source] = Chunked.of(pm, key)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
-    pm.weights.mark_loaded()
+    pm.rank.weights.mark_loaded()
 
 
 def save_safetensors(path: str, pm, max_shard_mb: float = 5 * 1024) -> str:
     """Write `pm`'s weights as full tensors in Hugging Face's safetensors layout (see the module docstring).
     Collective; rank 0 writes the consolidated files."""
-    pm.check_loaded("would save garbage")
-    keys = [k for k in pm.weights.keys if pm.weights.aliases[k] == k]  # tied keys once, as save_pretrained
-    mine = {k: Chunked.of(pm, k) for k in keys if k in pm.weights.slots}
+    pm.rank.weights.check_loaded("would save garbage")
+    keys = [k for k in pm.rank.weights.keys if pm.rank.weights.aliases[k] == k]  # tied keys once, as save_pretrained
+    mine = {k: Chunked.of(pm, k) for k in keys if k in pm.rank.weights.slots}
     index, size, limit = {}, 0, max_shard_mb * 2**20
     files = 1
     for k in keys:  # every rank knows every key's full shape; the dtype is the same on every stage
-        nbytes = torch.Size(pm.weights.shapes[k]).numel() * _element_size(pm, k)
+        nbytes = torch.Size(pm.rank.weights.shapes[k]).numel() * _element_size(pm, k)
         if size and size + nbytes > limit:
             files, size = files + 1, 0
         index[k], size = files, size + nbytes
@@ -88,6 +88,6 @@ def save_safetensors(path: str, pm, max_shard_mb: float = 5 * 1024) -> str:
 
 def _element_size(pm, key: str) -> int:
     """The dtype size of `key`'s tensor: held here, or (another stage's) the size of any floating weight held."""
-    if key in pm.weights.slots:
-        return pm.weights.live[key].element_size()
-    return next(t.element_size() for t in pm.held().values() if t.is_floating_point())
+    if key in pm.rank.weights.slots:
+        return pm.rank.weights.live[key].element_size()
+    return next(t.element_size() for t in pm.rank.weights.held().values() if t.is_floating_point())

@@ -6,6 +6,7 @@
     schedule_command.py  `fxpar schedule`: build, replay and draw a pipeline schedule (no torch)
     plan_command.py      `fxpar plan` and `fxpar calibrate`: predict or search (p, t, d, b, v)
     run_command.py       `fxpar run`: a thin wrapper over torchrun
+    config_flags.py      the flags of fxpar.Config's fields, generated from them (show, check, plan)
     targets.py           loading TARGET (`file.py:factory` or `package.module:factory`)
     model_shape.py       a GPT's shape (l, h, a, s, V) read from a model traced on the meta device
     calibrate.py         measuring this machine as one node of CPU "devices" over gloo

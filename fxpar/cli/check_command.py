@@ -25,6 +25,8 @@ from collections import Counter
 
 from tabulate import tabulate
 
+from fxpar.cli.config_flags import add_config_flags, config_overrides
+
 EXIT = {"exact": 0, "mismatch": 1, "refused": 2, "failed": 3}
 
 
@@ -35,18 +37,14 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (default 2)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages p (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas d (default 1)")
-    p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank v (default 1)")
-    p.add_argument("--microbatches", type=int, default=None, help="m per step (default 1; 2*p*v with a pipeline)")
-    p.add_argument("--schedule", default=None, help="pipeline schedule (default: the cost model's for p, v)")
-    p.add_argument("--zero", type=int, choices=(0, 1), default=0, help="1: the distributed optimizer over dp")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default), or bf16: its losses against the one-process bf16 recipe, then the same "
                         "plan in fp32 (fxpar/check.py [Tolerance])")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="between the regions, activations on 1/t of the tokens (Config.sequence_parallel)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps K (default 3)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory, and of the batches")
+    add_config_flags(p, owned=("seed", "mixed_precision"),
+                     defaults={"microbatches": "2 p v with a pipeline, else 1", "schedule": "the one for v"})
     p.set_defaults(func=run)
 
 
@@ -84,12 +82,12 @@ def ledger(result) -> str:
 
 def report(result) -> str:
     from fxpar.check import relative
-    from fxpar.cost.bubble import default_schedule
 
     s = result.spec
-    schedule = f" {s.schedule or default_schedule(s.vpp)}" if s.pp > 1 else ""
-    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={s.vpp} m={s.m}{schedule} {s.precision}, {s.steps} "
-             f"AdamW steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
+    c = s.parallel_config()
+    schedule = f" {c.schedule}" if s.pp > 1 else ""
+    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={c.virtual_stages} m={c.microbatches}{schedule} "
+             f"{s.precision}, {s.steps} AdamW steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
     if result.status in ("refused", "failed"):
         what = "refused by fxpar" if result.status == "refused" else "fxpar failed (a bug; please report it)"
         return "\n".join(lines + [f"{what}:", result.message])
@@ -119,10 +117,8 @@ def run(args) -> int:
     from fxpar.check import CheckSpec, check
 
     try:
-        spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
-                         microbatches=args.microbatches, schedule=args.schedule, zero=args.zero,
-                         precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed,
-                         sequence_parallel=args.sequence_parallel)
+        spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, config=config_overrides(args),
+                         precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

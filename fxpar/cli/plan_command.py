@@ -16,6 +16,8 @@ import sys
 
 from tabulate import tabulate
 
+from fxpar.cli.config_flags import add_config_flags, config_overrides
+from fxpar.config import Config
 from fxpar.cost.cluster import DEFAULT_LOCAL_PATH, GIB, get_cluster
 from fxpar.cost.flops import RECOMPUTE_MODES, flops_per_iteration, parameters, training_days
 from fxpar.cost.memory import PRECISIONS
@@ -23,6 +25,10 @@ from fxpar.cost.planner import PlanResult, SearchSpace, plan
 from fxpar.cost.shape import ModelShape
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "ffn")
+# the Config fields the search reads, and its defaults: v searched, recompute searched, the paper's plain optimizer
+# and no sequence parallelism (as in the PTD-P paper), scatter/gather on (the pipeline crosses nodes, tp stays on one)
+SEARCHED = {"virtual_stages": "auto", "recompute": "auto", "zero": 0, "sequence_parallel": False,
+            "scatter_gather": True}
 PAPER_DEFAULTS = {"seq": 2048, "vocab": 51200}
 
 
@@ -36,22 +42,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int, required=True, help="global batch B, in sequences")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs n = t p d")
     p.add_argument("--cluster", default="selene", help="selene | dgx2h | h100 | local | PATH.json")
-    for flag, what in (("tp", "tensor-parallel t"), ("pp", "pipeline-parallel p"),
-                       ("microbatch", "microbatch b"), ("vpp", "chunks per device v")):
+    for flag, what in (("tp", "tensor-parallel t"), ("pp", "pipeline-parallel p"), ("microbatch", "microbatch b")):
         p.add_argument(f"--{flag}", type=int, default=0, help=f"pin {what} (default: search)")
-    p.add_argument("--recompute", choices=("auto",) + RECOMPUTE_MODES, default="auto",
-                   help="activation recomputation (auto: search all)")
     p.add_argument("--max-tp", type=int, default=0, help="largest t searched (default: GPUs per node)")
-    p.add_argument("--no-scatter-gather", action="store_true", help="pipeline sends the full b s h")
     p.add_argument("--no-paper-rule", action="store_true", help="do not force t = GPUs per node for big models")
     p.add_argument("--precision", choices=PRECISIONS, default="",
                    help="model-state accounting: fxpar's bf16/fp16 (fp32 main grads), fp32, or the paper's fp16 "
                         "recipe (default: paper on 2-byte clusters, fp32 on 4-byte ones)")
-    p.add_argument("--zero", choices=("0", "1", "auto"), default="0",
-                   help="distributed optimizer over dp: off, on, or searched (default 0, as in the paper)")
-    p.add_argument("--sequence-parallel", choices=("off", "on", "auto"), default="off",
-                   help="activations between tensor-parallel regions on 1/t of the tokens: off, on (where t > 1), or "
-                        "searched (default off, as in the PTD-P paper)")
+    # the Config fields: the searched ones take auto; the rest go into the printed config (--json "fxpar")
+    add_config_flags(p, owned=("microbatches", "schedule", "mixed_precision"), auto=tuple(SEARCHED),
+                     defaults=SEARCHED)
     p.add_argument("--tokens", type=float, help="training tokens: add the Eq. 4 training-time estimate")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the best configuration as one JSON object")
@@ -91,13 +91,11 @@ def run_plan(args) -> int:
     try:
         shape = build_shape(args)
         cluster = get_cluster(args.cluster)
-        space = SearchSpace(tp=args.tp, pp=args.pp, microbatch=args.microbatch, vpp=args.vpp,
-                            max_tp=args.max_tp, scatter_gather=not args.no_scatter_gather,
-                            recompute=RECOMPUTE_MODES if args.recompute == "auto" else (args.recompute,),
-                            paper_rule=not args.no_paper_rule, precision=args.precision,
-                            zero=(0, 1) if args.zero == "auto" else (int(args.zero),),
-                            sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[
-                                args.sequence_parallel])
+        given = {**SEARCHED, **config_overrides(args)}
+        searched = {k: given.pop(k) for k in SEARCHED}
+        Config(**{k: v for k, v in {**searched, **given}.items() if v != "auto"})  # a bad value: its error, here
+        space = SearchSpace(tp=args.tp, pp=args.pp, microbatch=args.microbatch, max_tp=args.max_tp,
+                            paper_rule=not args.no_paper_rule, precision=args.precision, **_space(searched))
         result = plan(shape, args.gpus, cluster, space)
     except ValueError as e:
         print(f"fxpar plan: error: {e}", file=sys.stderr)
@@ -106,7 +104,7 @@ def run_plan(args) -> int:
     if args.tokens:
         days = training_days(args.tokens, parameters(shape), args.gpus, eq4_flops_per_gpu(result))
     if args.json:
-        print(json.dumps(plan_json(result, days)))
+        print(json.dumps(plan_json(result, days, given)))
     else:
         print(format_plan(result, args.top, args.tokens, days))
     return 0
@@ -120,7 +118,15 @@ def eq4_flops_per_gpu(result: PlanResult) -> float:
     return flops_per_iteration(result.shape, "full") / (best.seconds * best.config.gpus)
 
 
-def plan_json(result: PlanResult, days: float | None) -> dict:
+def _space(searched: dict) -> dict:
+    """SearchSpace's fields from the searched Config flags (auto: every setting)."""
+    v, recompute, zero, sp, sg = (searched[k] for k in SEARCHED)
+    return {"vpp": 0 if v == "auto" else v, "recompute": RECOMPUTE_MODES if recompute == "auto" else (recompute,),
+            "zero": (0, 1) if zero == "auto" else (zero,), "scatter_gather": sg is not False,
+            "sequence_parallel": (False, True) if sp == "auto" else (sp,)}
+
+
+def plan_json(result: PlanResult, days: float | None, config: dict | None = None) -> dict:
     """The best estimate's dict plus the shape, parameter count, candidate counts and Eq. 4 days."""
     out = result.best.as_dict()
     shape = result.shape
@@ -130,6 +136,7 @@ def plan_json(result: PlanResult, days: float | None) -> dict:
     if days is not None:
         out["training_days"] = days
     out["fxpar"] = fxpar_config(result.best)
+    out["fxpar"]["config"].update(config or {})  # the Config flags the search does not read, as given
     return out
 
 

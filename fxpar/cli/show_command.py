@@ -22,7 +22,6 @@ from tabulate import tabulate
 
 from fxpar.api import build
 from fxpar.config import Config
-from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.passes.joint.overlap import describe
 from fxpar.cost.bubble import default_schedule
 from fxpar.passes.ir.meta import module_path
@@ -30,6 +29,7 @@ from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.ir.meta import FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, comm_kind
 from fxpar.passes.ir.placements import Partial, Shard
 from fxpar.passes.pipeline.proofs import format_program
+from fxpar.cli.config_flags import add_config_flags, config_overrides
 from fxpar.cli.targets import load_target
 
 FORMATS = ("table", "code", "dot")
@@ -47,17 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="table: nodes and plan; code: annotated Python; dot: Graphviz (default table)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages p (default 1)")
-    p.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per pipeline rank v (default 1)")
     p.add_argument("--chunk", type=int, default=None, help="show one pipeline chunk, 0..p*v-1")
-    p.add_argument("--no-fuse", action="store_true", help="show the graph without the fusion passes")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="between the regions, activations on 1/t of the tokens (Config.sequence_parallel)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                   help="activation recomputation to apply (default none)")
-    p.add_argument("--joint-graph", action="store_true",
-                   help="also trace each chunk's joint program: the plan reads its collectives, and each collective "
-                        "of the forward and backward programs is listed with what runs while it is in flight "
-                        "(Config.joint_graph)")
+    add_config_flags(p, defaults={"microbatches": "p with a pipeline, else 1", "schedule": "the one for v"})
     p.set_defaults(func=run)
 
 
@@ -160,15 +151,19 @@ def run(args) -> int:
     if args.tp < 1 or not 0 <= args.rank < args.tp:
         print(f"fxpar show: error: --rank {args.rank} must be in [0, {args.tp}) and --tp >= 1")
         return 2
-    k = args.pp * args.vpp
+    given = config_overrides(args)
+    vpp = given.get("virtual_stages", 1)
+    pipelined = args.pp > 1 or vpp != 1 or args.chunk is not None
+    try:
+        config = Config(**{"microbatches": args.pp if pipelined else 1, "schedule": default_schedule(vpp), **given})
+    except (TypeError, ValueError) as e:
+        print(f"fxpar show: error: {e}")
+        return 2
+    k = args.pp * config.virtual_stages
     if args.chunk is not None and not 0 <= args.chunk < k:
-        print(f"fxpar show: error: --chunk must be in [0, {k}) for --pp {args.pp} --vpp {args.vpp}")
+        print(f"fxpar show: error: --chunk must be in [0, {k}) for --pp {args.pp} --vpp {config.virtual_stages}")
         return 2
     model, ex_args, ex_kwargs = load_target(args.target)
-    pipelined = args.pp > 1 or args.vpp > 1 or args.chunk is not None
-    config = Config(fuse=not args.no_fuse, recompute=args.recompute, virtual_stages=args.vpp,
-                    sequence_parallel=args.sequence_parallel, joint_graph=args.joint_graph,
-                    microbatches=args.pp if pipelined else 1, schedule=default_schedule(args.vpp))
     pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs, config=config,
                pp=args.pp if pipelined else 1)
     where = f"{args.target}: tp rank {args.rank} of {args.tp}"
@@ -182,7 +177,7 @@ def run(args) -> int:
               f"deadlock-free:\n{format_program(compiled.program)}")
     else:
         print(render(compiled.partition.chunks[0].gm, args.format, where, pm.plan))
-    if args.joint_graph:
+    if config.joint_graph:
         for chunk in compiled.partition.chunks if args.chunk is None else [compiled.partition.chunks[args.chunk]]:
             traced = compiled.callables[chunk.index].traced
             for half, program in (("forward", traced.forward), ("backward", traced.backward)):

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 
 def _counted_here(pm, key: str) -> bool:
-    if key not in pm.specs and pm.comm.rank != 0:
+    if key not in pm.rank.specs and pm.rank.comm.rank != 0:
         return False  # replicated over tp: tp rank 0 counts it
-    tied = pm.replica_groups.get("tied", {}).get(key)
+    tied = pm.rank.replica_groups.get("tied", {}).get(key)
     return tied is None or dist.get_rank() == min(dist.get_process_group_ranks(tied))
 
 
@@ -30,12 +30,12 @@ def _without_whole_copies(pm, key: str, g: torch.Tensor, zero) -> torch.Tensor:
     """g, with the rows of a weight's whole parts zeroed off tp rank 0 ([Note: whole parts] in
     passes/ir/placements.py: every tp rank holds them, so rank 0 counts them); g is a distributed optimizer's piece
     of the flattened tensor when `zero` is one."""
-    spec = pm.specs.get(key)
-    if spec is None or not spec.whole or pm.comm.rank == 0:
+    spec = pm.rank.specs.get(key)
+    if spec is None or not spec.whole or pm.rank.comm.rank == 0:
         return g
     from fxpar.runtime.zero import pieces
 
-    shape, local = tuple(pm.weights.live[key].shape), spec.local_parts(pm.comm.size)
+    shape, local = tuple(pm.rank.weights.live[key].shape), spec.local_parts(pm.rank.comm.size)
     blocks = shape[:spec.dim] + (spec.pre, sum(local), spec.post) + shape[spec.dim + 1:]
     keep = torch.ones(blocks, dtype=g.dtype, device=g.device)
     start = 0
@@ -53,9 +53,10 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     norm_type = float(norm_type)
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"fxpar clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    zero = pm.zero_optimizer  # the distributed optimizer: this rank's reduce-scattered pieces
+    zero = pm.rank.zero  # the distributed optimizer: this rank's reduce-scattered pieces
+    w = pm.rank.weights
     grads = zero.grads() if zero is not None else \
-        {k: g for k, t in pm.held().items() if t.requires_grad and (g := pm.weights.grads.get(t)) is not None}
+        {k: g for k, t in w.held().items() if t.requires_grad and (g := w.grads.get(t)) is not None}
     if not grads:
         raise RuntimeError("fxpar clip_grad_norm_: no gradients to clip on this rank. Fix: call it after pm.step() "
                            "(or a backward of pm(x)), before the optimizer's step")
@@ -69,8 +70,8 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
         local = sum((g.abs().pow(norm_type).sum() for g in counted), nothing)
         op = dist.ReduceOp.SUM
     total = local.reshape(1).clone()
-    groups = [pm.replica_groups.get("tp")] + ([pm.groups.dp_group] if zero is not None else [])
-    layout = getattr(pm, "groups", None)
+    groups = [pm.rank.replica_groups.get("tp")] + ([pm.rank.groups.dp_group] if zero is not None else [])
+    layout = pm.rank.groups
     if layout is not None and layout.pp > 1:
         groups.append(layout.pp_group)
     for group in groups:

@@ -45,15 +45,39 @@ def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
 ESTIMATE_ON = "h100"  # the cluster whose rates the plan estimates each layer's exposed communication with
 
 
+class RankState:
+    """This rank's part of the parallel model, for fxpar's own modules (optimizers, clipping, replicas, checkpoints,
+    verify, the pipeline runtime); the user's surface is the ParallelModule's (tests/test_surface.py freezes it)."""
+
+    def __init__(self, comm: TPComm, streams, programs: Programs, replica_groups: dict):
+        self.comm = comm  # the tp group: rank, size, collectives
+        self.streams = streams  # the random streams ([Note: random streams] in passes/tensor_parallel/rng.py)
+        self.programs = programs  # the compiled programs by mode and arguments (fxpar/runtime/program_cache.py)
+        self.replica_groups = replica_groups  # where this rank's weights have replicas: tp, dp (and tied)
+        self.weights: RankWeights | None = None  # what it holds (fxpar/runtime/weights.py)
+        self.scaler: LossScaler | None = None  # fp16's loss scaler
+        self.zero = None  # Config(zero=1): the distributed optimizer pm.optimizer made (fxpar/runtime/zero.py)
+        self.groups = None  # a pipeline rank's mesh groups (fxpar/runtime/pipeline_executable.py)
+        self.loss_fn = None  # a pipeline rank's loss
+        self.scatter_gather = False  # a pipeline rank sends 1/t of each boundary value
+        self.stats = None  # a pipeline rank's last step's timings (fxpar/runtime/interpreter.py Stats)
+
+    @property
+    def specs(self) -> dict:
+        """Registered key -> how its tensor is sharded over tp (absent: replicated)."""
+        return self.weights.specs
+
+
 class ParallelModule(nn.Module):
     """`pm(*args)` returns what `model(*args)` returns; its parameters are this rank's shards."""
 
-    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None, mesh=None):
-        """used_keys: the state keys this rank's chunks read (a pipeline stage holds only its own); None: all."""
+    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None, mesh=None,
+                 groups=None):
+        """used_keys: the state keys this rank's chunks read (a pipeline stage holds only its own); None: all.
+        groups: a pipeline rank's mesh groups (fxpar/runtime/interpreter.py Groups)."""
         super().__init__()
-        self.__dict__["_programs"] = Programs(compiled, model.training)
-        self.comm: TPComm = compiled.target.comm
-        self.__dict__["streams"] = compiled.target.streams
+        self.__dict__["rank"] = RankState(compiled.target.comm, compiled.target.streams,
+                                          Programs(compiled, model.training), _replica_groups(mesh))
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
         aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
@@ -68,7 +92,7 @@ class ParallelModule(nn.Module):
             tensor = originals[key]
             local = tensor.detach()
             if key in specs:
-                local = local_shard(local, specs[key], self.comm.rank, self.comm.size)
+                local = local_shard(local, specs[key], self.rank.comm.rank, self.rank.comm.size)
             if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
                 local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
                 unloaded.add(key)
@@ -78,134 +102,100 @@ class ParallelModule(nn.Module):
             else:
                 holder.register_buffer(leaf, local.clone(), persistent=key in keys)
             slots[key] = (holder, leaf)
-        self.__dict__["weights"] = RankWeights(
+        self.rank.weights = RankWeights(
             tuple(keys), aliases, {k: tuple(originals[k].shape) for k in keys}, specs,
             {key: slots[reg] for key, reg in aliases.items() if reg in slots}, unloaded)
         self.train(model.training)
-        self.__dict__["replica_groups"] = _replica_groups(mesh)
         mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/runtime/precision.py
-        self.weights.grads = Grads(list(trainable(self).values()), main=mp is not None)
+        self.rank.weights.grads = Grads(list(trainable(self).values()), main=mp is not None)
         if mp is not None and mp.loss_scale is not None:
-            device = next((t.device for t in self.held().values()), torch.device("cpu"))
-            self.__dict__["_scaler"] = LossScaler(mp.loss_scale, device)
-        self.plan: Plan | None = None
+            device = next((t.device for t in self.rank.weights.held().values()), torch.device("cpu"))
+            self.rank.scaler = LossScaler(mp.loss_scale, device)
+        self.rank.groups = groups
         self.__dict__["_planned"] = compiled  # the program pm.plan describes
+        self.plan: Plan = self._make_plan(compiled)
 
     # ---- programs -----------------------------------------------------------------------------------------------
     @property
-    def specs(self) -> dict:
-        """Registered key -> how its tensor is sharded over tp (absent: replicated): pm.weights.specs."""
-        return self.weights.specs
-
-    @property
     def config(self):
         """The fxpar.Config this executable was compiled with."""
-        return self._programs.first.config
-
-    @property
-    def programs(self) -> Programs:
-        """The compiled programs, by mode and non-tensor arguments (fxpar/runtime/program_cache.py)."""
-        return self._programs
-
-    @property
-    def zero_optimizer(self):
-        """Config(zero=1): the distributed optimizer pm.optimizer made (fxpar/runtime/zero.py), or None."""
-        return self.__dict__.get("_zero")
-
-    @property
-    def scaler(self):
-        """fp16's loss scaler (fxpar/runtime/precision.py LossScaler), or None."""
-        return self.__dict__.get("_scaler")
+        return self.rank.programs.first.config
 
     @property
     def compiled(self) -> Compiled:
-        """The program for the current mode and the traced example's arguments."""
-        first = self._programs.first
-        return self.program_for(first.traced.example_inputs, first.traced.with_loss)
+        """The compiler's record of the program for the current mode and the traced example's arguments: its
+        graphs, partition, pipeline program and analysis (what `fxpar show` prints)."""
+        first = self.rank.programs.first
+        return self._program_for(first.traced.example_inputs, first.traced.with_loss)
 
     @property
-    def traced(self):
-        return self._programs.first.traced
+    def _traced(self):
+        return self.rank.programs.first.traced
 
-    @property
-    def graph_module(self):
-        """What runs the whole graph of the current program (without a pipeline: its one chunk)."""
-        return self.compiled.callables[0]
-
-    def program_for(self, flat: list, with_loss: bool = False) -> Compiled:
+    def _program_for(self, flat: list, with_loss: bool = False) -> Compiled:
         """The program for the current mode and these flat inputs: the model's own call, or (with_loss) the loss
         traced with the model, whose inputs end with the target's ([Note: the loss is traced] in fxpar/trace.py)."""
-        return self._programs.get(self.training, flat, self.weights.live, self._buffer_values, with_loss)
+        return self.rank.programs.get(self.training, flat, self.rank.weights.live, self._buffer_values, with_loss)
 
-    def make_plan(self, program: Compiled) -> Plan:
+    def _make_plan(self, program: Compiled) -> Plan:
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
         partition = program.partition if program.target.pipelined else None
-        groups = self.__dict__.get("groups")  # a pipeline rank reads the joint programs of its own chunks only
+        groups = self.rank.groups  # a pipeline rank reads the joint programs of its own chunks only
         joint = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
                  if isinstance(program.callables[c.index], JointProgram)
                  and (groups is None or c.index % groups.pp == groups.pp_rank)]
-        dp = self.dp_programs(program)
+        dp = self._dp_programs(program)
         table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp,
                              groups.dp if groups is not None else 1) if joint else ()
-        return make_plan(program.analysis, self.weight_shards(), partition, program.target.pp,
+        return make_plan(program.analysis, self._weight_shards(), partition, program.target.pp,
                          program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()), table,
                          ESTIMATE_ON, program.normalization.line() if program.normalization else "")
 
-    def dp_programs(self, program: Compiled) -> list:
+    def _dp_programs(self, program: Compiled) -> list:
         """The joint programs of this rank's chunks' last microbatches that reduce gradients over dp (pm.step's:
         fxpar/runtime/pipeline_executable.py)."""
         return []
 
     def _buffer_values(self) -> dict:
         """The buffers this rank holds now, by key (what a recompile's rewrites may rely on)."""
-        return {k: holder._buffers[leaf] for k, (holder, leaf) in self.weights.slots.items()
+        return {k: holder._buffers[leaf] for k, (holder, leaf) in self.rank.weights.slots.items()
                 if leaf in holder._buffers}
 
-    def check_weights(self, program: Compiled, chunks=None) -> None:
+    def _check_weights(self, program: Compiled, chunks=None) -> None:
         """Raise if a weight's dtype, device or shape is not what `program` was compiled for (this rank's chunks:
         `chunks`, or all of them), or if a weight built on the meta device was never loaded."""
-        self.check_loaded()
+        self.rank.weights.check_loaded()
         for chunk in program.partition.chunks if chunks is None else chunks:
-            check_state(self.weights.live, program.expected_state[chunk.index])
+            check_state(self.rank.weights.live, program.expected_state[chunk.index])
 
-    def check_loaded(self, what: str = "would run on garbage") -> None:
-        """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""
-        w = self.weights
-        unloaded = [k for k in w.keys if w.aliases.get(k) in w.unloaded]
-        if unloaded:
-            raise RuntimeError(
-                f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
-                f"({unloaded[0]}, ...) hold no values yet, so it {what}. Fix: fill them first with "
-                "fxpar.load(checkpoint, pm), or pm.load_state_dict(full_state_dict).")
-
-    def flatten_inputs(self, args, kwargs) -> list:
+    def _flatten_inputs(self, args, kwargs) -> list:
         """The call's user inputs, flattened and checked against the traced example (structure and shapes)."""
-        example, want = self._programs.example(with_loss=False)
-        flat, spec = self.traced.flatten(args, kwargs)
+        example, want = self.rank.programs.example(with_loss=False)
+        flat, spec = self._traced.flatten(args, kwargs)
         if spec != want:
             raise ValueError(f"fxpar: {describe_mismatch((example, want), args, kwargs)}. The parallel program was "
                              "traced with the example's arguments. Fix: call with the same arguments as "
                              "example_args/example_kwargs, or parallelize again with a matching example.")
-        self.traced.check_shapes(flat, example=example)
+        self._traced.check_shapes(flat, example=example)
         return flat
 
-    def chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
+    def _chunk_inputs(self, chunk, flat_user: list, received: list = (), program: Compiled | None = None) -> list:
         """The values of `chunk`'s placeholders: this rank's weights, constants, user inputs, received values."""
-        constants = (program or self._programs.first).traced.constants
-        return resolve_inputs(chunk.inputs, self.weights.live, constants, flat_user, received)
+        constants = (program or self.rank.programs.first).traced.constants
+        return resolve_inputs(chunk.inputs, self.rank.weights.live, constants, flat_user, received)
 
-    def graph_inputs(self, flat_user: list) -> list:
+    def _graph_inputs(self, flat_user: list) -> list:
         """The inputs of the whole (unpartitioned) graph of the current program."""
-        program = self.program_for(flat_user)
-        return self.chunk_inputs(program.partition.chunks[0], flat_user, program=program)
+        program = self._program_for(flat_user)
+        return self._chunk_inputs(program.partition.chunks[0], flat_user, program=program)
 
     def forward(self, *args, **kwargs):
         with preserve_global_state():
-            flat = self.flatten_inputs(args, kwargs)
-            program = self.program_for(flat)
-            self.check_weights(program)
+            flat = self._flatten_inputs(args, kwargs)
+            program = self._program_for(flat)
+            self._check_weights(program)
             chunk = program.partition.chunks[0]
-            out = program.callables[0](*self.chunk_inputs(chunk, flat, program=program))
+            out = program.callables[0](*self._chunk_inputs(chunk, flat, program=program))
             return pytree.tree_unflatten(list(out), program.traced.out_spec)
 
     # ---- weights ------------------------------------------------------------------------------------------------
@@ -214,19 +204,14 @@ class ParallelModule(nn.Module):
         rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped. The model's
         own spelling of its state (its load pre-hooks: [Note: state-dict hooks] in fxpar/runtime/weights.py) is taken
         too."""
-        if self._spelling is not None and not set(state_dict) <= set(self.weights.aliases):
+        if self._spelling is not None and not set(state_dict) <= set(self.rank.weights.aliases):
             state_dict = from_model_spelling(self._spelling, state_dict)
         return load_full_or_local(self, state_dict, strict, assign)
 
     def manual_seed(self, seed: int) -> None:
         """Restart this rank's random streams from `seed` ([Note: random streams] in passes/tensor_parallel/rng.py);
         call it with the same seed on every rank."""
-        self.streams.manual_seed(seed)
-
-    def held(self) -> dict[str, torch.Tensor]:
-        """Each tensor this rank holds, once, under the key it is registered under (tied keys are one entry)."""
-        w = self.weights
-        return {key: w.live[key] for key in w.held_keys() if w.aliases[key] == key}
+        self.rank.streams.manual_seed(seed)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """torch.nn.utils.clip_grad_norm_ over the whole (p, t, d) model: every gradient counted once (sharded
@@ -238,19 +223,19 @@ class ParallelModule(nn.Module):
         """An optimizer of `optimizer_cls` (any torch.optim class) over this rank's parameters; with mixed
         precision, over their fp32 main copies; with Config(zero=1), Megatron's distributed optimizer over the dp
         group (fxpar/runtime/optim.py, fxpar/runtime/zero.py). Make it before the first step()."""
-        self.check_loaded("would copy garbage into the optimizer's main parameters")
+        self.rank.weights.check_loaded("would copy garbage into the optimizer's main parameters")
         config = self.config
         if not config.zero:
             if config.mixed_precision is None:
                 return optimizer_cls(self.parameters(), **kwargs)
             return MainParamsOptimizer(self, optimizer_cls, **kwargs)
-        if not hasattr(self, "groups"):
+        if self.rank.groups is None:
             raise ValueError("fxpar: Config(zero=1) reduce-scatters the gradients inside step(): parallelize with a "
                              "loss_fn and a mesh, and train with pm.step(...)")
         from fxpar.runtime.zero import DistributedOptimizer
 
-        self.__dict__["_zero"] = DistributedOptimizer(self, optimizer_cls, **kwargs)
-        return self._zero
+        self.rank.zero = DistributedOptimizer(self, optimizer_cls, **kwargs)
+        return self.rank.zero
 
     def check_replicas(self, grads: bool = False) -> None:
         """Raise fxpar.runtime.replicas.ReplicaError unless every replicated weight is identical wherever it is held."""
@@ -260,28 +245,41 @@ class ParallelModule(nn.Module):
         """What model.state_dict() of the unmodified model returns: full tensors under its keys, tied keys included,
         in the model's own spelling (its state-dict hooks run: [Note: state-dict hooks]). Collective over the tp
         group (and the pp group of a pipeline: every rank receives the whole dict)."""
-        full = self.full_tensors()
+        full = self._full_tensors()
         return full if self._spelling is None else to_model_spelling(self._spelling, full)
 
     @torch.no_grad()
-    def full_tensors(self) -> dict[str, torch.Tensor]:
+    def _full_tensors(self) -> dict[str, torch.Tensor]:
         """Full tensors under their parameter and buffer keys, tied keys included (collective over the tp group).
 
         On a pipeline stage, only the keys the stage holds."""
-        full, w = {}, self.weights
+        full, w = {}, self.rank.weights
         for key in w.held_keys():
             reg = w.aliases[key]
             if reg not in full:
                 local = w.live[key].detach()
                 spec = w.specs.get(reg)
-                full[reg] = unshard(self.comm.all_gather(local), spec) if spec else local.clone()
+                full[reg] = unshard(self.rank.comm.all_gather(local), spec) if spec else local.clone()
             full[key] = full[reg]
         return full
 
-    def weight_shards(self) -> list[WeightShard]:
-        w = self.weights
+    def _weight_shards(self) -> list[WeightShard]:
+        w = self.rank.weights
         return [WeightShard(key, w.shapes[key], str(w.spec(key)) if w.spec(key) else "R", tuple(w.live[key].shape))
                 for key in w.held_keys()]  # another pipeline stage's keys are its own
+
+
+def call_inputs(pm: ParallelModule, args, kwargs) -> tuple[list, list]:
+    """(the call's flat user inputs, checked against the example; the whole graph's inputs on this rank): what
+    fxpar.verify runs the rewritten graph on."""
+    flat = pm._flatten_inputs(args, kwargs)
+    return flat, pm._graph_inputs(flat)
+
+
+def full_tensors(pm: ParallelModule) -> dict[str, torch.Tensor]:
+    """Full tensors under their parameter and buffer keys, tied keys included, without the model's state-dict hooks
+    (pm.full_state_dict spells them as the model does). Collective over tp (and pp)."""
+    return pm._full_tensors()
 
 
 def _replica_groups(mesh) -> dict:

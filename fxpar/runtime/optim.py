@@ -17,7 +17,7 @@ import torch
 
 def trainable(pm) -> dict[str, torch.nn.Parameter]:
     """The parameters a rank steps, by key."""
-    return {k: p for k, p in pm.held().items() if isinstance(p, torch.nn.Parameter) and p.requires_grad}
+    return {k: p for k, p in pm.rank.weights.held().items() if isinstance(p, torch.nn.Parameter) and p.requires_grad}
 
 
 def state_bytes(pm, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -38,7 +38,7 @@ def state_bytes(pm, optimizer: torch.optim.Optimizer) -> dict[str, int]:
 
     params = list(trainable(pm).values())
     main = [t for group in optimizer.param_groups for t in group["params"]]
-    return {"weights": size(params), "gradients": size(pm.weights.grads.get(p) for p in params),
+    return {"weights": size(params), "gradients": size(pm.rank.weights.grads.get(p) for p in params),
             "main": size(main) + size(t.grad for t in main),
             "optimizer": size(t for s in optimizer.state.values() for t in s.values()
                               if isinstance(t, torch.Tensor) and t.dim() > 0)}
@@ -64,7 +64,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def _skip(self) -> bool:
         """The step's gradients overflowed (fp16 loss scaling): every rank skips this optimizer step."""
-        scaler = self.pm.scaler
+        scaler = self.pm.rank.scaler
         return scaler is not None and scaler.found_inf
 
     def state_bytes(self) -> int:
@@ -90,7 +90,7 @@ class MainParamsOptimizer(WrappedOptimizer):
         self.main = {k: torch.nn.Parameter(p.detach().to(torch.float32).clone()) for k, p in trainable(pm).items()}
         super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
         for k, p in self.params.items():
-            pm.weights.grads.attach(p, self.main[k])
+            pm.rank.weights.grads.attach(p, self.main[k])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)

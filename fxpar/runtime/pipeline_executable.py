@@ -59,12 +59,13 @@ class Stage:
 
     def __init__(self, pm: "PipelineModule", program):
         self.pm, self.program = pm, program
-        self.chunks = {c.index: c for c in program.partition.chunks if c.index % pm.groups.pp == pm.groups.pp_rank}
+        g = pm.rank.groups
+        self.chunks = {c.index: c for c in program.partition.chunks if c.index % g.pp == g.pp_rank}
 
     def run_chunk(self, chunk, received: list, flat_user: list, last=None) -> list:
         """last: (program, its further inputs) where the chunk's last microbatch reduces its gradients over dp in
         the program (fxpar/runtime/buckets.py)."""
-        inputs = self.pm.chunk_inputs(chunk, flat_user, received, self.program)
+        inputs = self.pm._chunk_inputs(chunk, flat_user, received, self.program)
         if last is not None:
             program, extra = last
             return list(program(*inputs, *extra))
@@ -75,7 +76,7 @@ class Stage:
         is traced] in fxpar/trace.py), else loss_fn called on the model's gathered output."""
         if self.program.traced.with_loss:
             return outs[0]
-        return self.pm.loss_fn(pytree.tree_unflatten(outs, self.program.traced.out_spec), target)
+        return self.pm.rank.loss_fn(pytree.tree_unflatten(outs, self.program.traced.out_spec), target)
 
 
 class PipelineModule(ParallelModule):
@@ -89,26 +90,14 @@ class PipelineModule(ParallelModule):
         if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
             used |= set(tensor_keys(model)) - read
-        super().__init__(model, compiled, used_keys=used, mesh=mesh)
-        self.__dict__.update(groups=groups, loss_fn=loss_fn,
-                             scatter_gather=scatter_gather_wanted(compiled.config.scatter_gather, mesh))
-        self._programs.loss_fn = loss_fn
+        super().__init__(model, compiled, used_keys=used, mesh=mesh, groups=groups)
+        self.rank.loss_fn = loss_fn
+        self.rank.scatter_gather = scatter_gather_wanted(compiled.config.scatter_gather, mesh)
+        self.rank.programs.loss_fn = loss_fn
         self._tied = self._tied_groups(mesh, partition)
-        self.replica_groups["tied"] = self._tied
-        self.stats = Stats()
+        self.rank.replica_groups["tied"] = self._tied
+        self.rank.stats = Stats()
         self._steps = 0
-
-    @property
-    def partition(self):
-        return self.compiled.partition
-
-    @property
-    def chunks(self) -> dict:
-        return Stage(self, self.compiled).chunks
-
-    @property
-    def program(self):
-        return self.compiled.program
 
     def _tied_groups(self, mesh, partition) -> dict[str, object]:
         """Parameters read on several pipeline ranks: key -> the group of their owners ([Note: pipeline ownership])."""
@@ -117,7 +106,7 @@ class PipelineModule(ParallelModule):
         for c in partition.chunks:
             for gi in c.inputs:
                 if gi.kind == PARAMETER:
-                    owners.setdefault(self.weights.aliases[gi.key], set()).add(c.index % p)
+                    owners.setdefault(self.rank.weights.aliases[gi.key], set()).add(c.index % p)
         out = {}
         for key, stages in sorted(owners.items()):
             if len(stages) < 2:
@@ -131,15 +120,15 @@ class PipelineModule(ParallelModule):
         return out
 
     def forward(self, *args, **kwargs):
-        if self.groups.pp > 1:
+        if self.rank.groups.pp > 1:
             raise RuntimeError(
                 "fxpar: with pipeline parallelism (pp > 1) the model runs as a schedule over all stages: "
                 "call pm.step(*global_batch, target=...) instead of pm(...)."
             )
         with preserve_global_state():
-            flat = self.flatten_inputs(args, kwargs)
-            stage = Stage(self, self.program_for(flat))
-            self.check_weights(stage.program, stage.chunks.values())
+            flat = self._flatten_inputs(args, kwargs)
+            stage = Stage(self, self._program_for(flat))
+            self._check_weights(stage.program, stage.chunks.values())
             received = []
             for i in sorted(stage.chunks):  # every chunk is on this rank: hand each one's outputs to the next
                 received = stage.run_chunk(stage.chunks[i], received, flat)
@@ -148,10 +137,10 @@ class PipelineModule(ParallelModule):
     def _microbatches(self, args, kwargs, target, dp_rank: int | None = None) -> list[tuple[list, list, object]]:
         """The m microbatches of dp rank `dp_rank`'s slice (default: this rank's) of the global batch: (model inputs,
         inputs with the target, target) each, flat ([Note: the loss is traced] in fxpar/trace.py)."""
-        g, m = self.groups, self.config.microbatches
+        g, m = self.rank.groups, self.config.microbatches
         dp_rank = g.dp_rank if dp_rank is None else dp_rank
-        example, want = self._programs.example(with_loss=False)
-        flat, spec = self.traced.flatten(args, kwargs)
+        example, want = self.rank.programs.example(with_loss=False)
+        flat, spec = self._traced.flatten(args, kwargs)
         if spec != want:
             raise ValueError(f"fxpar step: {describe_mismatch((example, want), args, kwargs)}; pass step() the same "
                              "arguments as "
@@ -170,7 +159,7 @@ class PipelineModule(ParallelModule):
         pieces = [split(x) for x in flat]
         micro = [[p[i] for p in pieces] for i in range(m)]
         rows = next((x.shape[0] for x in example if isinstance(x, torch.Tensor)), 1)
-        self.traced.check_shapes(micro[0], "fxpar step (one microbatch)",
+        self._traced.check_shapes(micro[0], "fxpar step (one microbatch)",
                                  f" per microbatch: a global batch of dp*m*{rows} = {g.dp * m * rows} rows", example)
         targets = pytree.tree_map(lambda x: _Pieces(split(x)), target)
         targets = [pytree.tree_map(lambda pieces: pieces[i], targets, is_leaf=lambda x: isinstance(x, _Pieces))
@@ -178,22 +167,22 @@ class PipelineModule(ParallelModule):
         out = []
         for inputs, tgt in zip(micro, targets):
             args_i, kwargs_i = pytree.tree_unflatten(inputs, want)
-            out.append((inputs, self.traced.flatten(args_i, kwargs_i, tgt)[0], tgt))
+            out.append((inputs, self._traced.flatten(args_i, kwargs_i, tgt)[0], tgt))
         return out
 
     def step(self, *args, target, **kwargs) -> torch.Tensor:
         """One batch forward and backward over the pipeline; returns the batch's mean loss on every rank."""
         with preserve_global_state():
             micro = self._microbatches(args, kwargs, target)
-            if self._programs.example_target is None:  # no example_target: the first step's traces the loss
-                self._programs.example_target = micro[0][2]
-            program = self.program_for(micro[0][1], with_loss=True)
+            if self.rank.programs.example_target is None:  # no example_target: the first step's traces the loss
+                self.rank.programs.example_target = micro[0][2]
+            program = self._program_for(micro[0][1], with_loss=True)
             if not program.traced.with_loss:  # the loss_fn could not be traced: the model's program, then loss_fn
-                program = self.program_for(micro[0][0])
+                program = self._program_for(micro[0][0])
             stage = Stage(self, program)
             if program is not self._planned:
-                self._planned, self.plan = program, self.make_plan(program)
-            self.check_weights(stage.program, stage.chunks.values())
+                self._planned, self.plan = program, self._make_plan(program)
+            self._check_weights(stage.program, stage.chunks.values())
             inputs = [with_target if program.traced.with_loss else model for model, with_target, _ in micro]
             weights = self._loss_weights(program, micro, args, kwargs, target)
             return self._step(stage, inputs, [tgt for _, _, tgt in micro], weights)
@@ -202,7 +191,7 @@ class PipelineModule(ParallelModule):
         """Each of this rank's microbatch losses' weight: n_i * d / N for a token-mean loss ([Note: whole-batch
         semantics] in passes/frontend/token_count.py), counted on the global batch every rank holds; None (1 / m
         each) where the counts are all equal or the normalization is not proven (said once, at the first step)."""
-        g, norm = self.groups, program.normalization
+        g, norm = self.rank.groups, program.normalization
         if g.dp * len(micro) == 1:
             return None
         if norm is None or norm.count is None:
@@ -222,66 +211,67 @@ class PipelineModule(ParallelModule):
         return [n * g.dp / total for n in counts[g.dp_rank]]
 
     def _step(self, stage: Stage, micro: list, targets: list, weights: list[float] | None = None) -> torch.Tensor:
-        self.stats = Stats()
-        p2p = P2P(self.groups, stage.program.program, self.scatter_gather, self.stats)
-        zero = self.zero_optimizer
+        self.rank.stats = Stats()
+        p2p = P2P(self.rank.groups, stage.program.program, self.rank.scatter_gather, self.rank.stats)
+        zero = self.rank.zero
         if self.config.zero and zero is None:
             raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
                              "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
                              "...) before the first step.")
-        mp, scaler = self.config.mixed_precision, self.scaler
-        buckets = GradBuckets(self._chunk_params(stage), self.groups, self.config.bucket_mb * 2**20, self.weights.grads,
-                              zero, mp.reduce_dtype if mp is not None else None, self.program_buckets(stage))
-        loss = Runtime(stage, stage.program.program, self.groups, p2p, buckets, self.stats,
+        mp, scaler = self.config.mixed_precision, self.rank.scaler
+        buckets = GradBuckets(self._chunk_params(stage), self.rank.groups, self.config.bucket_mb * 2**20,
+                              self.rank.weights.grads, zero, mp.reduce_dtype if mp is not None else None,
+                              self._program_buckets(stage))
+        loss = Runtime(stage, stage.program.program, self.rank.groups, p2p, buckets, self.rank.stats,
                        scaler.scale if scaler is not None else None).run(micro, targets, weights)
         for key, group in self._tied.items():
-            grad = self.weights.grads.get(self.weights.live[key]) if zero is None else zero.main[key].grad
+            grad = self.rank.weights.grads.get(self.rank.weights.live[key]) if zero is None else zero.main[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=group)
         if scaler is not None:  # unscale the main gradients; an overflow anywhere skips the optimizer's step
             grads = zero.grads().values() if zero is not None else \
-                [self.weights.grads.get(p) for p in trainable(self).values()]
+                [self.rank.weights.grads.get(p) for p in trainable(self).values()]
             scaler.unscale([g for g in grads if g is not None])
         loss = loss.clone()
-        if self.groups.pp > 1:
-            dist.all_reduce(loss, group=self.groups.pp_group)  # only the last stage's is non-zero
-        if self.groups.dp > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.groups.dp
+        if self.rank.groups.pp > 1:
+            dist.all_reduce(loss, group=self.rank.groups.pp_group)  # only the last stage's is non-zero
+        if self.rank.groups.dp > 1:
+            dist.all_reduce(loss, group=self.rank.groups.dp_group)
+            loss /= self.rank.groups.dp
         if self.config.trace_dir:
             write_chrome_trace(os.path.join(self.config.trace_dir, f"rank{dist.get_rank()}.json"),
-                               self.stats, dist.get_rank())
+                               self.rank.stats, dist.get_rank())
         self._steps += 1
         if self.config.check_replicas_every and self._steps % self.config.check_replicas_every == 0:
             self.check_replicas()
         return loss
 
-    def dp_programs(self, program) -> list:
+    def _dp_programs(self, program) -> list:
         """Those of a step with every weight accumulating (m > 1), or none holding a gradient (m = 1)."""
         many = self.config.microbatches > 1
         return [cb.program({k: many for k in cb.params}).traced
-                for cb in self.program_buckets(Stage(self, program)).values()]
+                for cb in self._program_buckets(Stage(self, program)).values()]
 
-    def program_buckets(self, stage: Stage) -> dict[int, ChunkBuckets]:
+    def _program_buckets(self, stage: Stage) -> dict[int, ChunkBuckets]:
         """Chunk -> its weights that its last microbatch's backward program reduces over dp ([Note: dp buckets in
         the program] in passes/joint/dp_buckets.py): under the joint graph with the dp_buckets pass, at dp > 1, the
         weights no other chunk of this rank reads. Made once per program and set of weights."""
-        if self.groups.dp == 1:
+        if self.rank.groups.dp == 1:
             return {}
         params = self._chunk_params(stage)
         uses = Counter(id(p) for ps in params.values() for p in ps)
-        mp, main = self.config.mixed_precision, self.weights.grads.main
-        reduce = DPReduce(self.groups.dp, self.groups.dp_group.group_name, scatter=bool(self.config.zero),
+        mp, main = self.config.mixed_precision, self.rank.weights.grads.main
+        reduce = DPReduce(self.rank.groups.dp, self.rank.groups.dp_group.group_name, scatter=bool(self.config.zero),
                           main_dtype=torch.float32 if main else None,
                           reduce_dtype=mp.reduce_dtype if mp is not None else None)
-        made, out = self.__dict__.setdefault("_program_buckets", {}), {}
+        made, out = self.__dict__.setdefault("_made_buckets", {}), {}
         for c in stage.chunks.values():
             joint = stage.program.callables[c.index]
             if not isinstance(joint, JointProgram) or DP_BUCKETS not in joint.passes:
                 continue
             trained = {id(p) for p in params[c.index] if uses[id(p)] == 1}
             mine = {gi.key: p for gi in c.inputs if gi.kind == PARAMETER
-                    and id(p := self.weights.live[self.weights.aliases[gi.key]]) in trained}
+                    and id(p := self.rank.weights.live[self.rank.weights.aliases[gi.key]]) in trained}
             key = (id(joint), tuple(sorted(mine)), reduce)
             if key not in made:
                 nbytes = {k: p.numel() * (4 if main else p.element_size()) for k, p in mine.items()}
@@ -293,21 +283,21 @@ class PipelineModule(ParallelModule):
     def _chunk_params(self, stage: Stage) -> dict[int, list]:
         out = {}
         for c in stage.chunks.values():
-            keys = {self.weights.aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
-            out[c.index] = [self.weights.live[k] for k in sorted(keys) if self.weights.live[k].requires_grad]
+            keys = {self.rank.weights.aliases[gi.key] for gi in c.inputs if gi.kind == PARAMETER}
+            out[c.index] = [self.rank.weights.live[k] for k in sorted(keys) if self.rank.weights.live[k].requires_grad]
         return out
 
     @torch.no_grad()
-    def full_tensors(self) -> dict[str, torch.Tensor]:
+    def _full_tensors(self) -> dict[str, torch.Tensor]:
         """Full tensors under their keys, gathered over tp and pp; every rank receives the whole dict."""
-        mine = super().full_tensors()
-        if self.groups.pp == 1:
+        mine = super()._full_tensors()
+        if self.rank.groups.pp == 1:
             return mine
-        parts = [None] * self.groups.pp
-        dist.all_gather_object(parts, mine, group=self.groups.pp_group)
+        parts = [None] * self.rank.groups.pp
+        dist.all_gather_object(parts, mine, group=self.rank.groups.pp_group)
         full = {}
         for part in parts:
             for k, v in part.items():
                 full.setdefault(k, v)
-        return {k: full[k] for k in self.weights.keys}
+        return {k: full[k] for k in self.rank.weights.keys}
 

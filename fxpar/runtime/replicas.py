@@ -61,13 +61,13 @@ def _label(group) -> str:
 def check_replicas(pm, grads: bool = False) -> None:
     """Raise ReplicaError unless every replicated weight (and, with grads, its gradient) is bitwise identical on
     every rank that holds a replica of it. A collective over the tp and dp groups and the tied-weight groups."""
-    held = pm.held()
-    checks = [("weight", held)] + ([("gradient of", _grads(held, pm.weights.grads))] if grads else [])
+    held = pm.rank.weights.held()
+    checks = [("weight", held)] + ([("gradient of", _grads(held, pm.rank.weights.grads))] if grads else [])
     for kind, tensors in checks:
-        replicated = [(k, t) for k, t in tensors.items() if k not in pm.specs]
-        _compare(replicated, pm.replica_groups.get("tp"), kind)
-        _compare(list(tensors.items()), pm.replica_groups.get("dp"), kind)
-        for key, group in pm.replica_groups.get("tied", {}).items():
+        replicated = [(k, t) for k, t in tensors.items() if k not in pm.rank.specs]
+        _compare(replicated, pm.rank.replica_groups.get("tp"), kind)
+        _compare(list(tensors.items()), pm.rank.replica_groups.get("dp"), kind)
+        for key, group in pm.rank.replica_groups.get("tied", {}).items():
             if key in tensors:
                 _compare([(key, tensors[key])], group, kind)
 

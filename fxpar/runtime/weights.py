@@ -39,8 +39,8 @@ class LiveState(Mapping):
 
 @dataclass
 class RankWeights:
-    """This rank's weights, in one typed home (`pm.weights`): what checkpoints, loading, optimizers, clipping and the
-    replica check read, instead of the executable's own attributes.
+    """This rank's weights, in one typed home (`pm.rank.weights`): what checkpoints, loading, optimizers, clipping
+    and the replica check read, instead of the executable's own attributes.
 
     keys      the model's persistent state keys, in its order ([Note: state-dict hooks])
     aliases   every parameter and buffer key -> the key its tensor is registered under (tied keys share one)
@@ -70,6 +70,19 @@ class RankWeights:
     def spec(self, key: str) -> Shard | None:
         """How key's tensor is sharded over tp (None: replicated)."""
         return self.specs.get(self.aliases[key])
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """Each tensor this rank holds, once, under the key it is registered under (tied keys are one entry)."""
+        return {key: self.live[key] for key in self.held_keys() if self.aliases[key] == key}
+
+    def check_loaded(self, what: str = "would run on garbage") -> None:
+        """Raise if a weight built on the meta device has not been filled by a load yet (`what` would go wrong)."""
+        unloaded = [k for k in self.keys if self.aliases.get(k) in self.unloaded]
+        if unloaded:
+            raise RuntimeError(
+                f"fxpar: the model was built on the meta device and {len(unloaded)} of this rank's weights "
+                f"({unloaded[0]}, ...) hold no values yet, so it {what}. Fix: fill them first with "
+                "fxpar.load(checkpoint, pm), or pm.load_state_dict(full_state_dict).")
 
     def mark_loaded(self, key: str | None = None) -> None:
         """key's tensor (every tensor, with None) now holds loaded values."""
@@ -112,22 +125,22 @@ def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool,
     local shape are taken as they are. Keys another pipeline stage holds are skipped."""
     from torch.nn.modules.module import _IncompatibleKeys
 
-    known = set(pm.weights.aliases)
+    known = set(pm.rank.weights.aliases)
     unexpected = [k for k in state_dict if k not in known]
-    missing = [k for k in pm.weights.keys if k in pm.weights.slots and k not in state_dict]
+    missing = [k for k in pm.rank.weights.keys if k in pm.rank.weights.slots and k not in state_dict]
     if strict and (unexpected or missing):
         raise RuntimeError(f"fxpar: load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     done = set()
     with torch.no_grad():
         for key, value in state_dict.items():
-            if key not in pm.weights.slots or pm.weights.aliases[key] in done:
+            if key not in pm.rank.weights.slots or pm.rank.weights.aliases[key] in done:
                 continue  # another stage's, or a tied alias already loaded
-            done.add(pm.weights.aliases[key])
-            pm.weights.mark_loaded(key)
-            local = _local_value(key, value, pm.weights.spec(key), pm.weights.live[key], pm.comm)
-            holder, leaf = pm.weights.slots[key]
-            current = pm.weights.live[key]
+            done.add(pm.rank.weights.aliases[key])
+            pm.rank.weights.mark_loaded(key)
+            local = _local_value(key, value, pm.rank.weights.spec(key), pm.rank.weights.live[key], pm.rank.comm)
+            holder, leaf = pm.rank.weights.slots[key]
+            current = pm.rank.weights.live[key]
             if assign:
                 if isinstance(current, nn.Parameter):
                     holder._parameters[leaf] = nn.Parameter(local, requires_grad=current.requires_grad)

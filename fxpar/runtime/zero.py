@@ -41,8 +41,8 @@ class DistributedOptimizer(WrappedOptimizer):
                 f"elementwise optimizers ({', '.join(ELEMENTWISE)}); {optimizer_cls.__name__} is not one of them. "
                 "Fix: use one of those, or Config(zero=0)."
             )
-        g = pm.groups
-        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.weights.grads
+        g = pm.rank.groups
+        self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.rank.weights.grads
         self.main = {k: torch.nn.Parameter(pieces(_at_least_fp32(p.detach().reshape(-1)), self.d)[self.r].clone())
                      for k, p in trainable(pm).items()}
         super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
