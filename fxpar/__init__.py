@@ -11,12 +11,14 @@ fxpar.passes: the IR, frontend, sharding analysis, tensor-parallel rewrite, fusi
 The public names below load lazily (PEP 562), so `import fxpar.cost` loads no torch.
 
     api.py        parallelize(model, mesh, example_args): input checks, the executable it returns
+    mixed_precision.py  fxpar.MixedPrecision and the casts the trace applies
     config.py     fxpar.Config, validated on construction
     mesh.py       the device mesh (pp, dp, tp), tp fastest
     trace.py      the frontend: torch.export (non-strict) into an ATen fx graph, inputs traced distinct
     guard.py      global state a failing call must not leak; autograd semantics a trace would drop
     compiler.py   the driver: every stage, one pass each, in one ordered list (STAGES)
     verify.py     fxpar.verify: the original and the parallel graph side by side, node by node
+    targets.py    loading TARGET (`file.py:factory` or `package.module:factory`) for the CLI and `fxpar check`
     check.py      the exactness proof behind `fxpar check`: K optimizer steps against the unmodified model
     runtime/      the executables, programs, weights, optimizers, mixed precision, clipping, replicas
     checkpoint/   DCP checkpoints with resharding, safetensors
@@ -35,7 +37,7 @@ if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(os.path.j
     __path__.append(_ROOT)  # noqa: F821 - the package's own __path__
 
 _PUBLIC = {"parallelize": "fxpar.api", "Config": "fxpar.config", "init_mesh": "fxpar.mesh",
-           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.runtime.precision",
+           "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.mixed_precision",
            "save": "fxpar.checkpoint.dcp", "load": "fxpar.checkpoint.dcp"}
 __all__ = sorted(_PUBLIC)
 

@@ -91,14 +91,14 @@ class CheckSpec:
 
     def parallel_config(self, mixed_precision=None):
         """The fxpar.Config the check parallelizes with."""
-        import fxpar
+        from fxpar.config import Config
         from fxpar.cost.bubble import default_schedule
 
         vpp = self.config.get("virtual_stages", 1)
         m = 2 * self.pp * vpp if self.pp > 1 else 1
         defaults = {"microbatches": m, "schedule": default_schedule(vpp) if isinstance(vpp, int) else "1f1b"}
         try:
-            return fxpar.Config(**{**defaults, **self.config, "seed": self.seed, "mixed_precision": mixed_precision})
+            return Config(**{**defaults, **self.config, "seed": self.seed, "mixed_precision": mixed_precision})
         except (TypeError, ValueError) as e:
             raise ValueError(f"fxpar check: {e}") from None
 
@@ -134,7 +134,7 @@ class CheckResult:
 
 def unpack(out, spec: str):
     """(model, args, kwargs, loss) from a factory's (model, args[, kwargs[, loss]])."""
-    from fxpar.cli.targets import unpack_target
+    from fxpar.targets import unpack_target
 
     if isinstance(out, tuple) and len(out) == 4:
         *out, loss = out
@@ -219,7 +219,7 @@ class Reference:
         self.opt = torch.optim.AdamW(params, lr=spec.lr)
 
     def step(self, args, kwargs) -> float:
-        from fxpar.runtime.precision import cast_inputs, cast_outputs
+        from fxpar.mixed_precision import cast_inputs, cast_outputs
 
         self.opt.zero_grad()
         if self.low is None:
@@ -261,8 +261,10 @@ def _gap(full: dict, want: dict) -> tuple[float, str]:
 
 def _on_rank(spec: CheckSpec) -> CheckResult:
     """One rank's part: parallelize, K steps beside the reference; what rank 0 reports."""
-    import fxpar
-    from fxpar.cli.targets import load_factory
+    from fxpar.api import parallelize
+    from fxpar.mesh import init_mesh
+    from fxpar.mixed_precision import MixedPrecision
+    from fxpar.targets import load_factory
 
     factory = load_factory(spec.target)
     torch.manual_seed(spec.seed)
@@ -274,11 +276,11 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
                                        else x, (args, kwargs))
     loss = loss or default_loss
     reference = Reference(copy.deepcopy(model), loss, spec)
-    low = fxpar.MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
+    low = MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
     config = spec.parallel_config(low)
-    pm = fxpar.parallelize(model, fxpar.init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
-                           example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
-                           config=config)
+    pm = parallelize(model, init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
+                     example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
+                     config=config)
     opt = pm.optimizer(torch.optim.AdamW, lr=spec.lr)
     tol = TOLERANCE[spec.precision]
     result = CheckResult("exact", spec, bytes_per_element={"fp64": 8, "fp32": 4, "bf16": 2}[spec.precision],

@@ -41,7 +41,8 @@ from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shape
                                                        place_meta_state_pass)
 from fxpar.passes.pipeline.lower import Program, lower_program
 from fxpar.passes.tensor_parallel.merge_comm import merge_comm_pass
-from fxpar.passes.ir.meta import BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, GraphInput, param_nodes
+from fxpar.passes.ir.meta import (BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, STATE_KINDS, GraphInput, input_of,
+                                  param_nodes, placeholders)
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.pipeline.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.ir.placements import Shard
@@ -56,7 +57,6 @@ from fxpar.passes.sharding.vocab_analysis import vocab_analysis
 from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_analysis
 from fxpar.passes.tensor_parallel.sequence_parallel import gathered_gemms_pass, sequence_parallel_pass
 from fxpar.trace import TraceError, Traced, trace
-from fxpar.runtime.weights import expected_state
 
 log = logging.getLogger("fxpar")
 
@@ -296,7 +296,15 @@ def _compile(c: Compiled) -> dict[int, Callable]:
 
 
 def _expected_state(c: Compiled) -> dict[int, dict[str, torch.Tensor]]:
-    return {chunk.index: expected_state([chunk]) for chunk in c.partition.chunks}
+    """Chunk index -> key -> the fake value (local shape, dtype, device) each weight was traced with."""
+    out = {}
+    for chunk in c.partition.chunks:
+        out[chunk.index] = state = {}
+        for n in placeholders(chunk.gm):
+            gi = input_of(n)
+            if gi.kind in STATE_KINDS and isinstance(n.meta.get("val"), torch.Tensor):
+                state.setdefault(gi.key, n.meta["val"])
+    return out
 
 
 def compile_graph(gm: GraphModule, backend: str = "inductor", **options):

@@ -9,7 +9,7 @@ import torch
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.bubble import SCHEDULES, check_schedule
 from fxpar.passes.joint.export import OVERLAP_NAMES
-from fxpar.runtime.precision import MixedPrecision
+from fxpar.mixed_precision import MixedPrecision
 
 
 def _option(default, help: str):
@@ -50,7 +50,7 @@ class Config:
     zero: int = _option(0, "1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/runtime/zero.py); "
                            "0: a plain one")
     mixed_precision: MixedPrecision | None = _option(
-        None, "low-precision compute with fp32 main gradients and parameters (fxpar/runtime/precision.py)")
+        None, "low-precision compute with fp32 main gradients and parameters (fxpar/mixed_precision.py)")
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:

@@ -9,7 +9,7 @@ runs this one as the reference.
 [Note: the loss is traced]
     With a loss_fn, the program the pipeline trains is loss_fn(model(*args, **kwargs), target), traced as one graph:
     the analysis then sees the loss, so a cross-entropy over the vocabulary-parallel logits becomes Megatron's
-    vocab-parallel cross-entropy (passes/vocab_loss.py) and the logits are never gathered. The target is one more
+    vocab-parallel cross-entropy (passes/tensor_parallel/vocab_kernels.py) and the logits are never gathered. The target is one more
     user input, after the positional arguments. The model's own call (`pm(x)`) is another program, traced without
     the loss. A loss_fn that cannot be traced (Python on tensor values, a non-scalar result) is called on the
     gathered output instead, and the plan says why.
@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 from fxpar.guard import backward_hooks, preserve_global_state, watch_trace
 from fxpar.passes.ir.meta import (BUFFER, CONSTANT, FXPAR_INPUT, FXPAR_ORIGIN, PARAMETER, USER, GraphInput, module_path,
                                   resolve_inputs)
-from fxpar.runtime.precision import cast_inputs, cast_outputs
+from fxpar.mixed_precision import cast_inputs, cast_outputs
 
 
 class TraceError(RuntimeError):

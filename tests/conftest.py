@@ -8,11 +8,17 @@
 * Sorts tests by cost with markers (pyproject.toml lists them): a test that takes a ``pool*`` fixture is marked
   ``gloo`` here; tests that start ranks, torchrun or long runs by other means are marked where they are written.
   ``make test-fast`` runs the rest: one process, seconds.
+* Gives inductor (Config(compile=True)) a cache of the session's own per CPU-kernel setting: torch keys its compiled
+  kernels without ATEN_CPU_CAPABILITY, and a kernel cached under one setting read an embedding out of bounds under
+  another (test_compile under ATEN_CPU_CAPABILITY=avx2 after a run under the machine's own setting).
 """
 from __future__ import annotations
 
+import getpass
 import multiprocessing
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"fxpar-inductor-{getpass.getuser()}-{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"))
 
 
 def pytest_collection_modifyitems(config, items):

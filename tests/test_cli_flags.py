@@ -11,7 +11,7 @@ import pytest
 from fxpar.cli.config_flags import flag, parse_field
 from fxpar.cli.main import build_parser, main
 from fxpar.config import Config
-from fxpar.runtime.precision import MixedPrecision
+from fxpar.mixed_precision import MixedPrecision
 
 CONFIG_FLAGS = ["--microbatches", "--virtual-stages", "--vpp", "--schedule", "--scatter-gather", "--fuse", "--no-fuse",
                 "--sequence-parallel", "--no-sequence-parallel", "--recompute", "--compile", "--no-compile",

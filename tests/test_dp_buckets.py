@@ -26,7 +26,8 @@ from fxpar.passes.ir.meta import PARAMETER, input_of
 from fxpar.passes.joint.comm_table import collectives, program_comm
 from fxpar.passes.joint.dp_buckets import FXPAR_DP, DPReduce, buckets_of, with_dp_buckets
 from fxpar.passes.joint.export import OVERLAP_NAMES, JointProgram
-from fxpar.passes.joint.overlap import GEMM_OPS, overlaps
+from fxpar.passes.ir.op_families import DECOMPOSED_GEMMS
+from fxpar.passes.joint.overlap import overlaps
 from fxpar.passes.sharding.comm_audit import DP_ROW, program_table
 
 ALL = OVERLAP_NAMES  # the program passes and dp_buckets (not on by default)
@@ -83,11 +84,11 @@ class TestDPBuckets(expecttest.TestCase):
         assert tp == collectives(traced.backward)
         # the first bucket (the last layer's weights) is in flight while layer 0's backward runs: its GEMMs too
         first = next(o for o in overlaps(variant.backward) if o.node == "dp_bucket_0")
-        assert sum(n.target in GEMM_OPS for n in first.hidden) >= 6, [n.name for n in first.hidden]
+        assert sum(n.target in DECOMPOSED_GEMMS for n in first.hidden) >= 6, [n.name for n in first.hidden]
         # each f still hides weight-gradient GEMMs (one less where a bucket wants its layer's first), and the
         # program hides more GEMMs behind collectives than without the buckets
         def hidden(program, f):
-            return {o.node: sum(n.target in GEMM_OPS for n in o.hidden) for o in overlaps(program) if f(o.node)}
+            return {o.node: sum(n.target in DECOMPOSED_GEMMS for n in o.hidden) for o in overlaps(program) if f(o.node)}
 
         with_buckets, alone = hidden(variant.backward, lambda _: True), hidden(traced.backward, lambda _: True)
         assert all(with_buckets[f] >= 1 for f in alone if f != "tp_f_4"), with_buckets

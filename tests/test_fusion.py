@@ -137,7 +137,7 @@ class TestGolden(TestCase):
         gm = fusion_pass(traced.gm, values, recompute_gelu=True)
         self.assertExpectedInline(_body(gm), """\
     linear = torch.ops.aten.linear.default(x, p_fc1_weight);  p_fc1_weight = None
-    bias_gelu_linear = fxpar_passes_fusion_kernels_bias_gelu_linear(linear, p_fc1_bias, approximate = 'none', weight = p_fc2_weight, out_bias = p_fc2_bias, flat_shape = None, layout = 'linear');  linear = p_fc1_bias = p_fc2_weight = p_fc2_bias = None
+    bias_gelu_linear = fxpar_passes_ir_kernels_bias_gelu_linear(linear, p_fc1_bias, approximate = 'none', weight = p_fc2_weight, out_bias = p_fc2_bias, flat_shape = None, layout = 'linear');  linear = p_fc1_bias = p_fc2_weight = p_fc2_bias = None
     add = torch.ops.aten.add.Tensor(x, bias_gelu_linear);  x = bias_gelu_linear = None
     return (add,)""")
 
@@ -157,7 +157,7 @@ class TestGolden(TestCase):
         gm = bias_gelu_pass(traced.gm)
         self.assertExpectedInline(_body(gm), """\
     linear = torch.ops.aten.linear.default(x, p_fc_weight);  x = p_fc_weight = None
-    bias_gelu = fxpar_passes_fusion_kernels_bias_gelu(linear, p_fc_bias, 'tanh');  linear = p_fc_bias = None
+    bias_gelu = fxpar_passes_ir_kernels_bias_gelu(linear, p_fc_bias, 'tanh');  linear = p_fc_bias = None
     sum_1 = torch.ops.aten.sum.dim_IntList(bias_gelu, [-1]);  bias_gelu = None
     return (sum_1,)""")
 

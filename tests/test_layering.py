@@ -66,6 +66,43 @@ def test_passes_never_import_upward(path):
             assert name.startswith(("fxpar.passes", "fxpar.cost")), f"{path.relative_to(ROOT)}:{line} imports {name}"
 
 
+# the layers, lowest first: a module imports only from its own layer and those below it, at module level or inside
+# a function alike (what both sides of a line need lives below both)
+LAYERS = (
+    ("fxpar.cost",),  # pure math
+    ("fxpar.passes.ir",),  # node metadata, placements, op families
+    ("fxpar.passes",),  # the graph passes
+    ("fxpar.mixed_precision", "fxpar.config", "fxpar.mesh", "fxpar.guard", "fxpar.targets"),  # what the user gives
+    ("fxpar.trace",),  # the frontend
+    ("fxpar.compiler",),  # the driver: STAGES
+    ("fxpar.runtime",),  # the executables: they run what the compiler made
+    ("fxpar.verify", "fxpar.checkpoint", "fxpar.api"),  # over a parallel module
+    ("fxpar.check",),  # the exactness proof, through parallelize
+    ("fxpar.cli",),  # the command line
+    ("fxpar",),  # the package's index of public names
+)
+
+
+def _layer(module: str) -> int:
+    """The layer of a dotted module name: that of its longest prefix in LAYERS."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[0]
+
+
+@pytest.mark.parametrize("path", [p for folder in PACKAGES for p in _sources(folder)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down_the_layers(path):
+    me = _layer(_module(path))
+    upward = [f"line {line}: {name} (layer {LAYERS[_layer(name)][0]})" for name, line in _imports(path)
+              if name.split(".")[0] == "fxpar" and _layer(name) > me]
+    assert not upward, f"{path.relative_to(ROOT)} (layer {LAYERS[me][0]}) imports upward: {upward}"
+
+
 @pytest.mark.parametrize("module", ["fxpar.cost", "fxpar.cli.schedule_command"])
 def test_import_loads_no_torch(module):
     """The cost model is pure math; `fxpar schedule` builds, lowers and proves schedules without torch."""
@@ -129,6 +166,29 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
+def test_no_cycles_between_packages():
+    """Counting every import (inside functions too), no two packages import each other, directly or round a loop
+    (a package and its own subpackages aside): fusion once read rng's streams while rng read fusion's kernels."""
+    import networkx as nx
+
+    def package_of(module: str) -> str:
+        return module if (ROOT / module.replace("fxpar.passes", "passes").replace("fxpar.cost", "cost")
+                          .replace(".", "/")).is_dir() or module == "fxpar" else module.rpartition(".")[0]
+
+    graph = nx.DiGraph()
+    for folder in PACKAGES:
+        for path in _sources(folder):
+            me = _module(path) if path.stem == "__init__" else _module(path).rpartition(".")[0]
+            for name, line in _imports(path):
+                if name.split(".")[0] != "fxpar":
+                    continue
+                other = package_of(name)
+                if other != me and not other.startswith(me + ".") and not me.startswith(other + "."):
+                    graph.add_edge(me, other, where=f"{path.relative_to(ROOT)}:{line}")
+    cycles = [[(a, graph.edges[a, b]["where"]) for a, b in zip(c, c[1:] + c[:1])] for c in nx.simple_cycles(graph)]
+    assert not cycles, cycles
+
+
 def _packages():
     return [p.parent for folder in PACKAGES for p in _sources(folder) if p.name == "__init__.py"]
 
@@ -172,4 +232,44 @@ def test_no_module_reads_the_executables_private_attributes():
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
                     and node.value.attr == "__dict__" and getattr(node.value.value, "id", "") == "pm":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} pm.__dict__[...]")
+    assert not found, found
+
+
+def test_the_module_paths_named_in_sources_and_docs_exist():
+    """A path like passes/fusion/dropout.py or a dotted name like fxpar.passes.ir.meta in a docstring, a message or a
+    docs page names a module that exists (a renamed module leaves no stale name behind)."""
+    import re
+
+    files = _code_files() + _sources("cost") + sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    stale = set()
+    for path in files:
+        text = path.read_text()
+        for found in re.findall(r"\b((?:fxpar|passes|cost)/[\w/]+\.py)\b", text):
+            if not (ROOT / found).is_file():
+                stale.add(f"{path.relative_to(ROOT)}: {found}")
+        for found in re.findall(r"\bfxpar\.(?:passes|cost|runtime|checkpoint|cli)(?:\.[a-z_]+)+", text):
+            package, *rest = found.split(".")[1:]
+            folder = ROOT / (package if package in ("passes", "cost") else f"fxpar/{package}")
+            if not rest or (folder.joinpath(*rest) / "__init__.py").is_file():
+                continue
+            # a module, or an attribute of one (fxpar.cost.comm.ring_seconds); a package's missing module is stale
+            if not any(folder.joinpath(*rest[:k]).with_suffix(".py").is_file() for k in range(1, len(rest) + 1)):
+                stale.add(f"{path.relative_to(ROOT)}: {found}")
+    assert not stale, sorted(stale)
+
+
+def test_op_sets_live_in_op_families():
+    """A set of ATen ops named at module level is an op family: it lives in passes/ir/op_families.py, where a family
+    fixed is fixed for every pass (a table keyed by op, like rules' GEMM_WEIGHT_ARG, is a table, not a family)."""
+    found = []
+    for path in _code_files():
+        if path.name == "op_families.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("frozenset", "set") and value.args:
+                value = value.args[0]
+            if isinstance(value, (ast.Set, ast.Tuple, ast.List)) and value.elts and \
+                    all("aten" in ast.unparse(e) for e in value.elts):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found

@@ -51,7 +51,7 @@ class _Recipe:
     """The same recipe on one process (see the module docstring)."""
 
     def __init__(self, model, dtype, lr):
-        from fxpar.runtime.precision import cast_outputs
+        from fxpar.mixed_precision import cast_outputs
 
         self.model, self.cast = copy.deepcopy(model).to(dtype), cast_outputs
         self.main = [p.detach().float().clone().requires_grad_() for p in self.model.parameters()]
@@ -152,7 +152,7 @@ def _main_grads(m=4):
     both = torch.cat([ids, ids])  # each dp rank steps the same m microbatches: the dp mean of equal sums is exact
     pm.step(both, target=both)
     fp32, bf16 = {}, {}
-    from fxpar.runtime.precision import cast_outputs
+    from fxpar.mixed_precision import cast_outputs
 
     for x in ids.chunk(m):
         (_loss(cast_outputs(low(x)), x) / m).backward()

@@ -22,7 +22,7 @@ from dataclasses import fields
 import torch
 
 from fxpar.config import Config
-from fxpar.runtime.precision import MixedPrecision
+from fxpar.mixed_precision import MixedPrecision
 
 ALIASES = {"virtual_stages": ("--vpp",)}  # the paper's v, as Megatron spells it
 PREFIX = "config."  # where the given values land on the parsed namespace

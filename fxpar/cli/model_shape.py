@@ -22,7 +22,7 @@ import torch
 
 from fxpar.cost.shape import ModelShape
 from fxpar.passes.frontend.layers import find_layers
-from fxpar.cli.targets import load_factory, unpack_target
+from fxpar.targets import load_factory, unpack_target
 
 NN_MODULE_STACK = "nn_module_stack"
 

@@ -4,7 +4,7 @@
     fxpar schedule --pp 4 --microbatches 8 --schedule 1f1b --json
     fxpar schedule --pp 4 --microbatches 8 --png timeline.png
 
-Needs no torch: it only uses fxpar.passes.pipeline.schedules / lower_schedule / proofs / simulate. The lowered program
+Needs no torch: it only uses fxpar.passes.pipeline.schedules / lower / proofs / simulate. The lowered program
 is checked by the same proof the compiler runs before every pipelined step (passes/pipeline/proofs.py). --png draws the
 timeline with matplotlib (fxpar/cli/plot.py), an optional extra: pip install 'fxpar[plot]'.
 """

@@ -30,7 +30,7 @@ from fxpar.passes.ir.meta import FXPAR_FUSED, FXPAR_PLACEMENT, FXPAR_RECOMPUTE, 
 from fxpar.passes.ir.placements import Partial, Shard
 from fxpar.passes.pipeline.proofs import format_program
 from fxpar.cli.config_flags import add_config_flags, config_overrides
-from fxpar.cli.targets import load_target
+from fxpar.targets import load_target
 
 FORMATS = ("table", "code", "dot")
 COLORS = {"collective": "tomato", "recomputed region": "khaki", "fused op": "palegreen",

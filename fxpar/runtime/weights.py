@@ -14,7 +14,6 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from fxpar.passes.ir.meta import STATE_KINDS, input_of, placeholders
 from fxpar.passes.ir.placements import Shard, local_shard
 from fxpar.runtime.precision import Grads
 
@@ -90,17 +89,6 @@ class RankWeights:
             self.unloaded.clear()
         else:
             self.unloaded.discard(self.aliases[key])
-
-
-def expected_state(chunks) -> dict[str, torch.Tensor]:
-    """key -> the fake value (local shape, dtype, device) the chunks' graphs were traced with."""
-    out = {}
-    for chunk in chunks:
-        for n in placeholders(chunk.gm):
-            gi = input_of(n)
-            if gi.kind in STATE_KINDS and isinstance(n.meta.get("val"), torch.Tensor):
-                out.setdefault(gi.key, n.meta["val"])
-    return out
 
 
 def check_state(state: Mapping, expected: dict[str, torch.Tensor]) -> None:

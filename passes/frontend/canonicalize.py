@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.ir.aliasing import Storage
 from fxpar.passes.ir.meta import FXPAR_INPUT, GraphInput, input_of, placeholders
-from fxpar.passes.ir.op_families import LOG_SOFTMAX, ROW_VIEWS
+from fxpar.passes.ir.op_families import LOG_SOFTMAX, METADATA_ASSERTS, ROW_VIEWS
 
 
 def merge_aliases_pass(gm: GraphModule, canonical: dict[str, str]) -> GraphModule:
@@ -42,13 +42,10 @@ def merge_aliases_pass(gm: GraphModule, canonical: dict[str, str]) -> GraphModul
     return gm
 
 
-# Nodes that only check a tensor's metadata against what was traced and compute nothing. torch.export emits one for
+# Nodes that only check a tensor's metadata (op_families.METADATA_ASSERTS) against what was traced and compute nothing. torch.export emits one for
 # every `.to(dtype)`, `.float()` and `.type_as` (rotary tables upcast, norms computed in fp32); each has no users.
 # The traced program keeps them (verify runs it); the working copy drops them, so that a shard, whose local size
 # differs from the traced one, does not meet an assert about the global size, and no region is refused for them.
-METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
-
-
 def drop_metadata_asserts_pass(gm: GraphModule) -> GraphModule:
     """Erase the metadata-only asserts (METADATA_ASSERTS) of gm; returns gm."""
     dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in METADATA_ASSERTS and not n.users]

@@ -27,13 +27,11 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxpar.passes.ir.aliasing import Storage, writes
 from fxpar.passes.ir.meta import USER, input_of, module_path, upstream
-from fxpar.passes.ir.op_families import CASTS, VIEWS
+from fxpar.passes.ir.op_families import CASTS, SCALINGS, TOKEN_MEANS, VIEWS
 
 aten = torch.ops.aten
 
-TOKEN_MEANS = frozenset({aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default})
 _MEAN = 1  # at::Reduction::Mean
-_SCALE = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
 _PASS = CASTS | VIEWS | {aten.alias.default, aten.clone.default, aten.squeeze.default, aten.detach.default}
 
 
@@ -85,7 +83,7 @@ def _through_scales(n: Node) -> Node:
     while n.op == "call_function":
         if n.target in _PASS:
             n = n.args[0]
-        elif n.target in _SCALE and isinstance(n.args[1], (int, float)) and isinstance(n.args[0], Node):
+        elif n.target in SCALINGS and isinstance(n.args[1], (int, float)) and isinstance(n.args[0], Node):
             n = n.args[0]
         else:
             break

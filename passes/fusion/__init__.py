@@ -5,6 +5,7 @@
     attention.py      explicit attention -> aten.scaled_dot_product_attention
     dropout.py        residual + dropout(y + b) -> Megatron's bias_dropout_add
     gelu.py           GPT-2's GeLU written out -> aten.gelu; bias + GeLU folded with the next GEMM
-    kernels.py        the fused ops those passes insert (plain functions over autograd Functions)
     recompute.py      activation recomputation (full, selective) as regions under torch.utils.checkpoint
+
+The fused ops these passes insert are passes/ir/kernels.py, beside the other ops every pass recognises.
 """

@@ -20,18 +20,9 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.fusion.match import erase, done, is_call, ndim, new_node, only_user, scalar_operand, val
 from fxpar.passes.ir.meta import FXPAR_ASSUMES, input_of
-from fxpar.passes.ir.op_families import SOFTMAX
+from fxpar.passes.ir.op_families import MASK_BUILDERS, SOFTMAX
 
 aten = torch.ops.aten
-_MASK_OPS = {aten.alias.default, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
-             aten.squeeze.dim, aten.expand.default, aten.eq.Scalar, aten.ne.Scalar, aten.logical_not.default,
-             aten.bitwise_not.default, aten.to.dtype, aten._to_copy.default, aten.detach.default, aten.clone.default,
-             aten.select.int, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
-             # constants built in the graph: deterministic functions of sizes and numbers
-             aten.ones.default, aten.zeros.default, aten.full.default, aten.arange.default, aten.arange.start,
-             aten.arange.start_step, aten.triu.default, aten.tril.default, aten.lt.Tensor, aten.le.Tensor,
-             aten.gt.Tensor, aten.ge.Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.masked_fill.Scalar,
-             aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.logical_and.default, aten.logical_or.default}
 
 
 _MISSING = object()
@@ -43,7 +34,7 @@ def _evaluate(n, values: Mapping, depth: int = 0):
         return n
     if n.op == "placeholder":
         return values.get(input_of(n), _MISSING)
-    if n.op != "call_function" or n.target not in _MASK_OPS or depth > 32:
+    if n.op != "call_function" or n.target not in MASK_BUILDERS or depth > 32:
         return _MISSING
     args, kwargs = pytree.tree_map(lambda a: _evaluate(a, values, depth + 1), (n.args, n.kwargs),
                                    is_leaf=lambda a: isinstance(a, Node))
@@ -183,7 +174,7 @@ def _erase_dead_inputs(gm: GraphModule, nodes) -> None:
     work = [n for n in nodes if isinstance(n, Node)]
     while work:
         n = work.pop()
-        if n.op == "call_function" and n.target in _MASK_OPS | {aten.transpose.int} and not n.users:
+        if n.op == "call_function" and n.target in MASK_BUILDERS | {aten.transpose.int} and not n.users:
             work.extend(n.all_input_nodes)
             gm.graph.erase_node(n)
 

@@ -1,7 +1,7 @@
 """Fusion: residual + dropout(y + b) -> bias_dropout_add(y, b, residual, p, train), Megatron's bias-dropout-add, where
 the dropout draws; a dropout that is an identity (p = 0, or eval) is removed.
 
-See passes/fusion/match.py for "biased GEMM", and [Note: same random stream] in passes/fusion/kernels.py for why the
+See passes/fusion/match.py for "biased GEMM", and [Note: same random stream] in passes/ir/kernels.py for why the
 fused op draws the same mask as the ops it replaces.
 """
 from __future__ import annotations
@@ -9,25 +9,23 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.fusion import kernels as fusion_kernels
 from fxpar.passes.fusion.match import done, erase, is_call, match_biased, new_node, only_user, split_bias, val
+from fxpar.passes.ir import kernels
 from fxpar.passes.ir.meta import comm_kind
+from fxpar.passes.ir.op_families import RANDOM
 
 aten = torch.ops.aten
-_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
-           aten.bernoulli_.float, aten.rand_like.default, aten.randn_like.default, aten.rand.default,
-           aten.randn.default, aten.scaled_dot_product_attention.default, fusion_kernels.bias_dropout_add}
 
 
 def _draws_random(n: Node) -> bool:
     if n.op == "call_module":
         return comm_kind(n) is None  # a collective draws nothing; any other module might
-    if is_call(n, aten.dropout.default, fusion_kernels.bias_dropout_add):
+    if is_call(n, aten.dropout.default, kernels.bias_dropout_add):
         p, train = (n.args[1], n.args[2]) if n.target is aten.dropout.default else (n.args[3], n.args[4])
         return bool(train) and p > 0
     if is_call(n, aten.scaled_dot_product_attention.default):
         return n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0) > 0
-    return is_call(n, *_RANDOM)
+    return is_call(n, *RANDOM)
 
 
 def _random_between(a: Node, b: Node) -> bool:
@@ -58,9 +56,9 @@ def bias_dropout_add_pass(gm: GraphModule) -> GraphModule:
     removed by identity_dropout_pass instead, since fusing it only moves the bias out of the GEMM).
 
     Pattern: aten.dropout(y + b, p, train) whose only user is an add with a residual. Safe: the fused op adds the bias,
-    draws its noise exactly as aten.dropout does at the add's position ([Note: same random stream] in fusion_kernels;
-    the pass refuses when another random op runs between the dropout and the add), and adds the residual; backward keeps
-    a 1-byte mask instead of the float noise.
+    draws its noise exactly as aten.dropout does at the add's position ([Note: same random stream] in
+    passes/ir/kernels.py; the pass refuses when another random op runs between the dropout and the add), and adds the
+    residual; backward keeps a 1-byte mask instead of the float noise.
     """
     changed = 0
     for drop in list(gm.graph.nodes):
@@ -80,7 +78,7 @@ def bias_dropout_add_pass(gm: GraphModule) -> GraphModule:
         if _random_between(drop, add):
             continue
         y = split_bias(gm, m)
-        fused = new_node(gm, add, fusion_kernels.bias_dropout_add, (y, m.bias, residual, p, train),
+        fused = new_node(gm, add, kernels.bias_dropout_add, (y, m.bias, residual, p, train),
                          {"residual_first": add.args[0] is residual}, add, "bias_dropout_add", "bias_dropout_add")
         add.replace_all_uses_with(fused)
         erase(gm, [add, drop] + ([m.gemm] if m.kind == "add" else []))

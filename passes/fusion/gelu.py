@@ -17,7 +17,7 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.fusion import kernels as fusion_kernels
+from fxpar.passes.ir import kernels
 from fxpar.passes.fusion.match import (const_is, done, erase, is_call, keeps_last_dim, match_biased, ndim, new_node,
                                        only_user, scalar_operand, split_bias, users_of)
 from fxpar.passes.ir.op_families import VIEWS
@@ -127,12 +127,12 @@ def bias_gelu_pass(gm: GraphModule) -> GraphModule:
         y = split_bias(gm, m)
         dead = gelu_nodes + ([m.gemm] if m.kind == "add" else [])
         if consumer is None:
-            fused = new_node(gm, node, fusion_kernels.bias_gelu, (y, m.bias, approximate), {}, node, "bias_gelu",
+            fused = new_node(gm, node, kernels.bias_gelu, (y, m.bias, approximate), {}, node, "bias_gelu",
                          "bias_gelu")
             node.replace_all_uses_with(fused)
         else:
             gemm, view, how = consumer
-            fused = new_node(gm, gemm, fusion_kernels.bias_gelu_linear, (y, m.bias),
+            fused = new_node(gm, gemm, kernels.bias_gelu_linear, (y, m.bias),
                              dict(approximate=approximate, **how), gemm, "bias_gelu_linear", "bias_gelu_linear")
             gemm.replace_all_uses_with(fused)
             dead += [gemm] + ([view] if view is not None else [])

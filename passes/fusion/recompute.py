@@ -38,7 +38,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from fxpar.cost.flops import RECOMPUTE_MODES
-from fxpar.passes.fusion import kernels as fusion_kernels
+from fxpar.passes.ir import kernels
 from fxpar.passes.frontend.layers import Layers, find_layers
 from fxpar.passes.ir.meta import FXPAR_PLACEMENT, FXPAR_RANDOM, FXPAR_RECOMPUTE, comm_kind, copy_meta
 from fxpar.passes.tensor_parallel.rng import streams_in
@@ -49,7 +49,7 @@ _CUT = object()  # a collective: ends any region
 _WORTH = SDPA | SOFTMAX | {  # ops that save activations: a region without one has nothing to recompute
     aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
     aten.layer_norm.default, aten.native_layer_norm.default, aten.gelu.default, aten.silu.default,
-    aten.relu.default, aten.tanh.default, aten.rsqrt.default, fusion_kernels.bias_gelu, fusion_kernels.bias_gelu_linear,
+    aten.relu.default, aten.tanh.default, aten.rsqrt.default, kernels.bias_gelu, kernels.bias_gelu_linear,
 }
 
 

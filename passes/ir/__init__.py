@@ -5,5 +5,7 @@
     placements.py     Replicate, Partial, Shard (with the head-interleaved layout)
     aliasing.py       which values may share storage and which ops write into it (from the ops' schemas); which
                       are memory nothing has written yet (`unwritten`)
-    op_families.py    the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...)
+    op_families.py    the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...);
+                      a GEMM reading a node, a node's rows viewed as 2-D
+    kernels.py        the fused ops passes/fusion inserts (plain functions over autograd Functions)
 """

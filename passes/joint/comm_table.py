@@ -16,8 +16,9 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from fxpar.passes.joint.dp_buckets import DP_BUCKET
-from fxpar.passes.joint.export import Traced
-from fxpar.passes.joint.overlap import GEMM_OPS, exposed_seconds, overlaps
+from fxpar.passes.joint.export import JointTraced
+from fxpar.passes.ir.op_families import DECOMPOSED_GEMMS
+from fxpar.passes.joint.overlap import exposed_seconds, overlaps
 from fxpar.passes.sharding.comm_audit import BACKWARD, DP_ROW, FORWARD, OUTSIDE, ProgramComm, audit
 
 
@@ -27,8 +28,8 @@ def collectives(program: GraphModule) -> list[tuple[str, str]]:
     return [(o.op, o.node) for o in overlaps(program)]
 
 
-def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=None, dp: list[Traced] = (),
-                 d: int = 1) -> tuple[ProgramComm, ...]:
+def program_comm(chunks: list[tuple[GraphModule, JointTraced]], t: int = 2, cluster=None,
+                 dp: list[JointTraced] = (), d: int = 1) -> tuple[ProgramComm, ...]:
     """Per layer, the collectives of the forward and backward programs of (chunk graph, joint program) pairs, in
     chunk order; those outside every layer (the vocabulary's) next, as OUTSIDE; last, as DP_ROW, the dp buckets of
     the last microbatch's programs `dp` (over d ranks). With a cluster (fxpar.cost's), each row also estimates the
@@ -41,7 +42,7 @@ def program_comm(chunks: list[tuple[GraphModule, Traced]], t: int = 2, cluster=N
 
     def add(r, half, o, ranks):
         r[half].append(o.op)
-        r["gemms"] += sum(n.target in GEMM_OPS for n in o.hidden)
+        r["gemms"] += sum(n.target in DECOMPOSED_GEMMS for n in o.hidden)
         if cluster is not None:
             comm, hidden = exposed_seconds(o, ranks, cluster)
             r["comm"] += comm

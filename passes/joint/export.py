@@ -56,7 +56,7 @@ DEFAULT_OVERLAP = ("early_collectives", "late_waits")
 
 
 @dataclass
-class Traced:
+class JointTraced:
     """One signature's joint program: the joint graph, the forward and backward graphs torch's partitioner cut from
     it (the programs that run: passes/joint/comm_table.py reads them), and what runs them."""
 
@@ -91,7 +91,7 @@ class JointProgram:
         return traced.run(*inputs)
 
     @property
-    def traced(self) -> Traced:
+    def traced(self) -> JointTraced:
         """The joint program of the last call's signature; before any call, that of the expected one."""
         if self.last is None:
             self.last = self._expected()
@@ -109,7 +109,7 @@ class JointProgram:
             self.by_signature[key] = self._export(inputs, mode)
         return key
 
-    def _export(self, inputs, mode: FakeTensorMode | None = None) -> Traced:
+    def _export(self, inputs, mode: FakeTensorMode | None = None) -> JointTraced:
         _distinct_outputs(self.gm)
         for n in self.gm.graph.nodes:
             n.meta["custom"] = {**n.meta.get("custom", {}), FXPAR_NODE: n.name}
@@ -140,7 +140,7 @@ class JointProgram:
             run = aot_compile_joint_with_descriptors(
                 jd, partition_fn=min_cut_rematerialization_partition if self.min_cut else default_partition,
                 fw_compiler=keeping("forward", compiler), bw_compiler=keeping("backward", compiler))
-        return Traced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
+        return JointTraced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
 
 
 # AOT autograd's tracing state (functionalization levels, torch.fx.traceback's current node) is per process: ranks

@@ -29,7 +29,7 @@ from fxpar.cost.comm import ring_seconds
 from fxpar.cost.compute import Gemm, elementwise_seconds, gemm_seconds
 from fxpar.passes.ir.meta import FXPAR_NODE
 from fxpar.passes.ir.op_families import WAIT as _WAIT
-from fxpar.passes.ir.op_families import collective_op, returns_view
+from fxpar.passes.ir.op_families import DECOMPOSED_GEMMS, collective_op, returns_view
 
 
 def early_collectives(gm: GraphModule) -> GraphModule:
@@ -163,9 +163,6 @@ def overlaps(gm: GraphModule) -> list[Overlap]:
     return out
 
 
-GEMM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
-
-
 def exposed_seconds(o: Overlap, t: int, cluster) -> tuple[float, float]:
     """(communication, compute hidden behind it) in seconds, estimated with the cost model's link and compute rates
     for `cluster` (fxpar.cost.cluster.Cluster): a ring collective over t ranks, and the GEMMs and elementwise ops
@@ -179,7 +176,7 @@ def _compute_seconds(n: Node, cluster) -> float:
     out = n.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return 0.0
-    if n.target in GEMM_OPS:
+    if n.target in DECOMPOSED_GEMMS:
         a = n.args[-2].meta["val"]  # [.., m, k] @ [.., k, n]
         batch = a.shape[0] if a.dim() == 3 else 1
         return gemm_seconds(Gemm(n.name, a.shape[-2], out.shape[-1], a.shape[-1], batch), cluster)

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: the `Action` type, its text form, and the GPipe / 1F1B / interleaved-1F1B builders.
 
 A schedule is plain data, `dict[rank, list[Action]]`: what each pipeline rank runs, in order. Builders are pure
-functions of (p, m, v); `lower_schedule.lower` adds the send/recv actions; `simulate.simulate` replays a schedule
+functions of (p, m, v); `lower.lower` adds the send/recv actions; `simulate.simulate` replays a schedule
 on a clock; the runtime only interprets the list, one handler per action kind.
 
 Glossary

@@ -112,7 +112,7 @@ def simulate(schedule: dict[int, list[Action]], costs: Mapping | None = None) ->
     """Replay `schedule` (compute-only or lowered) and return its timelines and bubble fraction.
 
     Args:
-        schedule: dict[rank, list[Action]] from `build_schedule`, or from `lower_schedule.lower`.
+        schedule: dict[rank, list[Action]] from `build_schedule`, or from `lower.lower`.
         costs: stage-level {"F", "B", "p2p"} durations, default F=1, B=2, p2p=0 (see the module docstring).
     Raises:
         DeadlockError: when ranks are left with actions and none can start.
@@ -148,7 +148,7 @@ def check_deadlock_free(lowered: dict[int, list[Action]], costs: Mapping | None 
     Raises DeadlockError or ValueError otherwise; returns the replay.
     """
     if not any(a.is_p2p for actions in lowered.values() for a in actions) and len(lowered) > 1:
-        raise ValueError("check_deadlock_free needs a lowered schedule (lower_schedule.lower); this one has no p2p")
+        raise ValueError("check_deadlock_free needs a lowered schedule (passes/pipeline/lower.py lower); this one has no p2p")
     return simulate(lowered, costs)
 
 

@@ -62,7 +62,7 @@ from torch.fx import GraphModule, Node
 from fxpar.passes.sharding.fused_projections import fused_parts
 from fxpar.passes.ir.aliasing import Storage, writes
 from fxpar.passes.ir.meta import USER, input_of, module_path, upstream
-from fxpar.passes.ir.op_families import ROW_VIEWS
+from fxpar.passes.ir.op_families import FILLS_LIKE, ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.rule_table import rule_for
 from fxpar.passes.sharding.shared_weights import SHARDING_GEMM, describe, shared_conflicts, weight_spec_of
@@ -98,14 +98,9 @@ class Analysis:
     grad_nodes: set[Node]
 
 
-_aten = torch.ops.aten
-_NO_GRADIENT = {_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default,
-                _aten.new_zeros.default, _aten.new_ones.default, _aten.new_empty.default, _aten.new_full.default}
-
-
 def _differentiable_inputs(n: Node) -> list[Node]:
     """The inputs a gradient can flow back to (not one read for its dtype, shape or device only)."""
-    if n.target in _NO_GRADIENT:
+    if n.target in FILLS_LIKE:
         return []
     skip = n.args[DTYPE_ONLY[n.target]] if n.target in DTYPE_ONLY and len(n.args) > 1 else None
     return [a for a in n.all_input_nodes if a is not skip]

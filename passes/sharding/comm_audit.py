@@ -37,6 +37,7 @@ from tabulate import tabulate
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.ir.meta import upstream
+from fxpar.passes.ir.op_families import gemm_reading, rows_as_2d
 from fxpar.passes.sharding.analysis import activations_of
 from fxpar.passes.frontend.layers import calls_of, find_layers
 from fxpar.passes.ir.meta import (ALL_GATHER, ALL_REDUCE, FXPAR_SCALE, REDUCE_SCATTER, REGATHER, Comm, comm_kind,
@@ -159,10 +160,8 @@ def _joins_its_gemms(n: Node) -> bool:
     """A seq_gather that gathered_gemms_pass (passes/tensor_parallel/sequence_parallel.py) will join with the GEMMs
     reading it, by that pass's own tests: every reader a GEMM taking it (or its rows viewed as 2-D) as the input. It
     runs as seq_gather_linear: the block saved, gathered again in backward."""
-    from fxpar.passes.tensor_parallel.sequence_parallel import _flattened, _form
-
-    reader = _flattened(n) or n
-    return bool(reader.users) and all(_form(u, reader) is not None for u in reader.users)
+    reader = rows_as_2d(n) or n
+    return bool(reader.users) and all(gemm_reading(u, reader) is not None for u in reader.users)
 
 
 def audit(gm: GraphModule) -> tuple[LayerComm, ...]:

@@ -18,16 +18,11 @@ import math
 import torch
 from torch.fx import Node
 
-from fxpar.passes.ir.op_families import SPLITS
+from fxpar.passes.ir.op_families import PICKS, SAME_DIMS, SPLITS
 from fxpar.passes.sharding.rule_table import rule_for
 from fxpar.passes.sharding.rules import elementwise
 
 aten = torch.ops.aten
-_SAME_DIM = {
-    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.dropout.default, aten._to_copy.default,
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
-}
-_PICKS = {aten.select.int, aten.unbind.int}
 
 
 def _shape(n: Node) -> tuple:
@@ -86,7 +81,7 @@ def _keeps_channels(u: Node, src: Node, dim: int) -> bool:
 def _through(u: Node, src: Node, dim: int, depth: int):
     """Continue following `dim` through user `u`, which reads `src`."""
     nd, out = len(_shape(src)), _shape(u)
-    if u.target in _SAME_DIM or _keeps_channels(u, src, dim):
+    if u.target in SAME_DIMS or _keeps_channels(u, src, dim):
         return _follow(u, dim, depth + 1)
     if u.target in (aten.transpose.int,):
         a, b = _norm(u.args[1], nd), _norm(u.args[2], nd)
@@ -115,9 +110,9 @@ def _picked(node: Node, dim: int, depth: int) -> bool:
     for u in node.users:
         if u.op != "call_function":
             continue
-        if u.target in _PICKS and _norm(u.args[1] if len(u.args) > 1 else 0, nd) == dim:
+        if u.target in PICKS and _norm(u.args[1] if len(u.args) > 1 else 0, nd) == dim:
             return True
-        if u.target in _SAME_DIM and _picked(u, dim, depth + 1):
+        if u.target in SAME_DIMS and _picked(u, dim, depth + 1):
             return True
         if u.target is aten.unsqueeze.default:
             k = _norm(u.args[1], nd + 1)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from fxpar.passes.ir.op_families import ORDERINGS, REDUCTIONS, VALUES_AND_INDICES
 from fxpar.passes.frontend.grouped_gemm import EXPERT_BMM, GROUPED_LINEAR, GROUPED_MM
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
 from fxpar.passes.sharding.view_rules import ReshapeError, reshape_shard
@@ -366,7 +367,6 @@ def softmax(node: Node, ctx: Ctx) -> Decision:
     return Decision(s)
 
 
-_PARTIAL_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
 
 
 def reduced(s: Shard, dims, keep: bool) -> Shard:
@@ -386,27 +386,25 @@ def reduction(node: Node, ctx: Ctx) -> Decision:
     keep = bool(arg(node, "keepdim", False))
     if s.dim not in dims:
         return Decision(reduced(s, dims, keep))
-    if node.target in _PARTIAL_SUMS:
+    if node.target in REDUCTIONS:
         return Decision(R, role=Role.REDUCE)
     raise NoRule(f"{node.name}: {node.target.__name__} reduces over the sharded dim {s.dim}")
 
 
 # --- max / min / argmax / argmin along a dim, topk, sort, cumsum: along another dim than the sharded one, each
 # rank's slice is its own; values and indices (of the unsharded dim) alike
-_KEEP_RANK = {aten.topk.default, aten.sort.default, aten.sort.stable, aten.cumsum.default}
-_PAIRS = {aten.max.dim, aten.min.dim, aten.topk.default, aten.sort.default, aten.sort.stable}
 
 
 def along_dim(node: Node, ctx: Ctx) -> Decision:
     s, nd = ctx.p(node.args[0]), len(ctx.shape(node.args[0]))
-    dim = arg(node, "dim", -1 if node.target in _KEEP_RANK else None)
+    dim = arg(node, "dim", -1 if node.target in ORDERINGS else None)
     if dim is None:
         raise NoRule(f"{node.name}: {node.target.__name__} over every element of a sharded tensor")
     d = norm_dim(dim, nd)
     if d == s.dim:
         raise NoRule(f"{node.name}: {node.target.__name__} along the sharded dim {d}")
-    out = reduced(s, {d}, node.target in _KEEP_RANK or bool(arg(node, "keepdim", False)))
-    return Decision((out, out) if node.target in _PAIRS else out)
+    out = reduced(s, {d}, node.target in ORDERINGS or bool(arg(node, "keepdim", False)))
+    return Decision((out, out) if node.target in VALUES_AND_INDICES else out)
 
 
 def reshape_as(node: Node, ctx: Ctx) -> Decision:

@@ -33,22 +33,18 @@ from torch.fx import Node
 
 from fxpar.passes.sharding.analysis import Analysis, Region, activations_of, spread
 from fxpar.passes.ir.meta import USER, input_of, module_path
-from fxpar.passes.ir.op_families import GEMMS
+from fxpar.passes.ir.op_families import GEMMS, SAME_VALUES
 from fxpar.passes.ir.placements import Replicate, Shard, plain_shard
 from fxpar.passes.sharding.rules import GEMM_WEIGHT_ARG, Ctx, Decision, NoRule, Role, other_use
 
 aten = torch.ops.aten
 
 
-_SAME_IDS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
-             aten.contiguous.default, aten.alias.default, aten._to_copy.default, aten.flatten.using_ints,
-             aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.detach.default,
-             aten.lift_fresh_copy.default}
 
 
 def _ids_are_an_input(ids) -> bool:
     """The lookup's ids are a model input, reshaped or copied at most (token ids, not computed positions)."""
-    while isinstance(ids, Node) and ids.op == "call_function" and ids.target in _SAME_IDS:
+    while isinstance(ids, Node) and ids.op == "call_function" and ids.target in SAME_VALUES:
         ids = ids.args[0]
     return isinstance(ids, Node) and ids.op == "placeholder" and input_of(ids).kind == USER
 

@@ -30,7 +30,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.ir.meta import FXPAR_PLACEMENT, FXPAR_SCALE, comm_kind
-from fxpar.passes.ir.op_families import CASTS, LAYOUT
+from fxpar.passes.ir.op_families import ADDS, CASTS, INDEXING, LAYOUT, SCALINGS, SUMS
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.ir.placements import Partial, Replicate
 from fxpar.passes.ir.aliasing import Storage, writes
@@ -38,10 +38,6 @@ from fxpar.passes.tensor_parallel.rewrite import call_comm
 
 aten = torch.ops.aten
 R = Replicate()
-_INDEX = {aten.index.Tensor, aten.index_select.default, aten.select.int, aten.slice.Tensor, aten.narrow.default}
-_SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.neg.default}
-_SCALED = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
-_ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # in place: into a value g alone read
 
 
 def _val(n) -> torch.Tensor | None:
@@ -106,13 +102,13 @@ def _linear_in(n: Node, g: Node) -> bool:
     """n is linear in g's value, reads it once, and outputs no more values ([Note: moving a collective])."""
     if n.op != "call_function" or _numel(n) < 0 or _numel(n) > _numel(g):
         return False
-    if n.target in LAYOUT | _SUMS:
+    if n.target in LAYOUT | SUMS:
         return n.args[0] is g and all(a is g for a in _tensor_inputs(n)) and _val(n).dtype == _val(g).dtype
-    if n.target in _INDEX:
+    if n.target in INDEXING:
         return n.args[0] is g and g not in n.args[1:] and _integer_only(n, g) and not _in(g, n.args[1:])
     if n.target in CASTS:
         return n.args[0] is g and _cast_ok(n, g, widen=True)
-    if n.target in _SCALED:
+    if n.target in SCALINGS:
         return _per_token_factor(n, g)
     return False
 
@@ -145,7 +141,7 @@ def _move_g(gm: GraphModule, g: Node, path: list[Node], comm: TPComm) -> Node:
     """g moved to after the last node of `path` (its chain's first nodes); a factor enters through f."""
     prev = g
     for n in path:
-        factor = _factor(n, prev) if n.target in _SCALED else None
+        factor = _factor(n, prev) if n.target in SCALINGS else None
         prev = n
         if isinstance(factor, Node) and factor.meta["val"].is_floating_point():
             with gm.graph.inserting_before(n):
@@ -173,7 +169,8 @@ def _new_g(gm: GraphModule, after: Node, comm: TPComm) -> Node:
 
 def _adds_partials(n: Node, ends: dict) -> bool:
     """n adds (or subtracts) two same-shaped values that are each the end of a g's chain."""
-    return n.op == "call_function" and n.target in _ADDS and len(n.args) == 2 and \
+    # in place too: into a value g alone read
+    return n.op == "call_function" and n.target in ADDS and len(n.args) == 2 and \
         all(isinstance(a, Node) and a in ends and _val(a) is not None and _val(n) is not None
             and _val(a).shape == _val(n).shape for a in n.args) and n.args[0] is not n.args[1] and \
         set(n.kwargs) <= {"alpha"} and n.kwargs.get("alpha", 1) in (1, -1)
@@ -209,7 +206,7 @@ def _hoist_source(x: Node) -> tuple[Node, Node | None] | None:
     """(y, factor) where f(x) may move above x = L(y) (factor: the per-token factor L scales y by, or None)."""
     if x.op != "call_function" or not x.args:
         return None
-    if x.target in _SCALED:
+    if x.target in SCALINGS:
         y = next((a for a in x.args[:2] if isinstance(a, Node) and _per_token_factor(x, a)), None)
         return (y, _factor(x, y)) if y is not None else None
     y = x.args[0]
@@ -217,7 +214,7 @@ def _hoist_source(x: Node) -> tuple[Node, Node | None] | None:
         return None
     if x.target in LAYOUT:
         ok = all(a is y for a in _tensor_inputs(x))
-    elif x.target in _INDEX:
+    elif x.target in INDEXING:
         ok = _integer_only(x, y) and not _in(y, x.args[1:]) and len(x.users) == 1
     else:
         ok = x.target in CASTS and _cast_ok(x, y, widen=False)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.fusion import kernels as fusion_kernels
+from fxpar.passes.ir import kernels
 from fxpar.passes.ir.meta import FXPAR_PLACEMENT, FXPAR_RANDOM, copy_meta
 from fxpar.passes.ir.placements import Shard
 
@@ -100,7 +100,7 @@ def _draws(n: Node) -> bool:
     """A call that draws random numbers, unless its arguments say it cannot (p = 0, or not training)."""
     if n.op != "call_function":
         return False
-    if n.target is fusion_kernels.bias_dropout_add:
+    if n.target is kernels.bias_dropout_add:
         return bool(n.args[4]) and n.args[3] > 0
     tags = getattr(n.target, "tags", ())
     if torch.Tag.nondeterministic_seeded not in tags:

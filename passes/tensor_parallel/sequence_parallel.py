@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxpar.passes.frontend.layers import find_layers
-from fxpar.passes.ir.op_families import ROW_VIEWS
+from fxpar.passes.ir.op_families import gemm_reading, rows_as_2d
 from fxpar.passes.ir.meta import (FXPAR_COMM, FXPAR_PLACEMENT, PARAMETER, Comm, comm_kind, copy_meta, input_of,
                                   module_path)
 from fxpar.passes.ir.placements import Replicate, Shard
@@ -138,10 +138,10 @@ def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
     for node in list(gm.graph.nodes):
         if comm_kind(node) != Comm.SEQ_GATHER:
             continue
-        flat = _flattened(node)  # the rows flattened to 2-D first (a GEMM spelled on rows: GPT-2's Conv1D)
+        flat = rows_as_2d(node)  # the rows flattened to 2-D first (a GEMM spelled on rows: GPT-2's Conv1D)
         reader = flat or node
         gemms = sorted(reader.users, key=order.get)
-        forms = [_form(u, reader) for u in gemms]
+        forms = [gemm_reading(u, reader) for u in gemms]
         if not gemms or None in forms:
             continue
         weights = [w for form in forms for w in form[1:]]
@@ -168,28 +168,3 @@ def gathered_gemms_pass(gm: GraphModule, comm: TPComm) -> GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
-
-
-def _flattened(node: Node) -> Node | None:
-    """The only reader of node, when it is a view of its rows as 2-D (`x.view(-1, h)`), else None."""
-    if len(node.users) != 1:
-        return None
-    view = next(iter(node.users))
-    shape, full = view.meta.get("val"), node.meta.get("val")
-    if view.op != "call_function" or view.target not in ROW_VIEWS or shape is None or full is None:
-        return None
-    return view if shape.dim() == 2 and shape.shape[-1] == full.shape[-1] and full.dim() > 2 else None
-
-
-def _form(user: Node, node: Node) -> tuple | None:
-    """("linear" or "mm", weight, bias or None) of a GEMM reading node as its input and only there, else None."""
-    if user.op != "call_function" or user.kwargs:
-        return None
-    args, aten = user.args, torch.ops.aten
-    if user.target is aten.linear.default and args[0] is node and node not in args[1:]:
-        return "linear", args[1], args[2] if len(args) > 2 else None
-    if user.target is aten.mm.default and args[0] is node and args[1] is not node:
-        return "mm", args[1], None
-    if user.target is aten.addmm.default and len(args) == 3 and args[1] is node and node not in (args[0], args[2]):
-        return "mm", args[2], args[0]
-    return None
