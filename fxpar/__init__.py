@@ -16,7 +16,10 @@ The public names below load lazily (PEP 562), so `import fxpar.cost` loads no to
     mesh.py       the device mesh (pp, dp, tp), tp fastest
     trace.py      the frontend: torch.export (non-strict) into an ATen fx graph, inputs traced distinct
     guard.py      global state a failing call must not leak; autograd semantics a trace would drop
-    compiler.py   the driver: every stage, one pass each, in one ordered list (STAGES)
+    stages.py     the driver: runs a declared list of stages on a record, logged, dumped, errors named
+    compiler.py   the compiler: every stage, one pass each, in one ordered list (STAGES)
+    programs.py   a chunk's joint program per input signature: the second list (PROGRAM_STAGES)
+    describe.py   pm.plan: the compiler's decisions, the weights a rank holds, the collectives of its programs
     verify.py     fxpar.verify: the original and the parallel graph side by side, node by node
     targets.py    loading TARGET (`file.py:factory` or `package.module:factory`) for the CLI and `fxpar check`
     check.py      the exactness proof behind `fxpar check`: K optimizer steps against the unmodified model

@@ -13,18 +13,18 @@ import torch.nn as nn
 
 from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
-from fxpar.runtime.executable import ParallelModule, tp_comm
+from fxpar.runtime.executable import ParallelModule
 from fxpar.runtime.ownership import release
-from fxpar.mesh import check_mesh
+from fxpar.mesh import Groups, check_mesh, decode_mesh
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.tensor_parallel.rng import RandomStreams
 from fxpar.runtime.pipeline_executable import PipelineModule
 
 
-def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: dict | None = None,
+def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kwargs: dict | None = None,
           mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1, traced=None,
           example_target=None) -> ParallelModule:
-    """Compile `model` for the rank described by `comm` and return its executable.
+    """Compile `model` for the rank described by `comm` (None: the mesh's) and return its executable.
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
@@ -36,17 +36,20 @@ def build(model: nn.Module, comm: TPComm, example_args: tuple, example_kwargs: d
     _check_meta_buffers(model)
     if config.mixed_precision is not None:  # in place, as Megatron's Float16Module ([Note: mixed precision])
         model.to(config.mixed_precision.param_dtype)
+    groups = decode_mesh(mesh)  # the mesh, decoded once: what every part of the executable reads
+    if comm is None:
+        comm = groups.comm if groups is not None else TPComm(rank=0, size=1)
     pipelined = loss_fn is not None or pp > 1
-    pp = mesh.size(0) if mesh is not None else pp
-    streams = _streams(config, comm, mesh, example_args)
+    pp = groups.pp if groups is not None else pp
+    streams = _streams(config, comm, groups, example_args)
     loss = (loss_fn, example_target) if loss_fn is not None and example_target is not None and traced is None \
         else None
     compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config,
                              traced=traced, loss=loss)
-    if loss_fn is not None and mesh is not None:
-        pm = PipelineModule(model, compiled, mesh, loss_fn)
+    if loss_fn is not None and groups is not None:
+        pm = PipelineModule(model, compiled, groups, loss_fn)
     else:
-        pm = ParallelModule(model, compiled, mesh=mesh)
+        pm = ParallelModule(model, compiled, mesh=groups)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
             f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "
@@ -68,20 +71,20 @@ def _check_meta_buffers(model: nn.Module) -> None:
                 "parallelize.")
 
 
-def _streams(config: Config, comm: TPComm, mesh, example_args) -> RandomStreams:
+def _streams(config: Config, comm: TPComm, groups: Groups | None, example_args) -> RandomStreams:
     """This rank's random streams ([Note: random streams] in passes/tensor_parallel/rng.py), from one seed for every
     rank."""
     seed = config.seed
     if seed is None:
         seed = torch.initial_seed() % 2**62
-        if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = torch.tensor([seed], dtype=torch.int64, device=mesh.device_type)
+        if groups is not None and dist.get_world_size() > 1:
+            shared = torch.tensor([seed], dtype=torch.int64, device=groups.device)
             dist.broadcast(shared, src=0)
             seed = int(shared.item())
-    pp_rank, dp_rank = (mesh.get_local_rank("pp"), mesh.get_local_rank("dp")) if mesh is not None else (0, 0)
+    pp_rank, dp_rank = (groups.pp_rank, groups.dp_rank) if groups is not None else (0, 0)
     device = next((x.device.type for x in example_args if isinstance(x, torch.Tensor)), "cpu")
     device = "cpu" if device == "meta" else device  # a rank simulated on meta (fxpar show) draws nothing
-    return RandomStreams(seed, comm.rank, pp_rank, dp_rank, device if mesh is None else mesh.device_type)
+    return RandomStreams(seed, comm.rank, pp_rank, dp_rank, device if groups is None else groups.device.type)
 
 
 def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_kwargs: dict | None = None,
@@ -121,7 +124,7 @@ def parallelize(model: nn.Module, mesh=None, example_args: tuple = (), example_k
         raise TypeError(f"fxpar.parallelize: loss_fn must be callable, got {type(loss_fn).__name__}")
     if example_target is not None and loss_fn is None:
         raise ValueError("fxpar.parallelize: example_target is the target of loss_fn; pass loss_fn too")
-    pm = build(model, tp_comm(mesh), example_args, example_kwargs, mesh, config, loss_fn,
+    pm = build(model, None, example_args, example_kwargs, mesh, config, loss_fn,
                example_target=example_target)
     release(model)  # [Note: one copy of the truth] in fxpar/runtime/ownership.py
     return pm

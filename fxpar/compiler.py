@@ -1,10 +1,11 @@
-"""The compiler driver: every stage of fxpar, in one ordered list.
+"""The compiler: every stage of fxpar, in one ordered list.
 
 Reading STAGES tells the whole compiler. Each stage is a named function of the Compiled record that returns one
-product, which the driver stores on the record under the stage's field; later stages read earlier products, and
-`parallelize`, `fxpar show`, `verify` and the executables only consume the finished record. The driver logs each
-stage, and re-raises any error with the stage's name and the stages that ran before it: bad input (ValueError,
-TraceError) keeps its type, anything else becomes a PassError.
+product, which the driver (fxpar/stages.py run_stages) stores on the record under the stage's field; later stages
+read earlier products, and `parallelize`, `fxpar show`, `verify` and the executables only consume the finished
+record. The driver logs each stage, and re-raises any error with the stage's name and the stages that ran before
+it: bad input (ValueError, TraceError) keeps its type, anything else becomes a PassError. A chunk's joint program
+is compiled by the same driver from PROGRAM_STAGES (fxpar/programs.py), at its first call of each signature.
 
 The traced program (`traced.gm`) is never rewritten: `working_copy` makes the copy (`gm`) that the graph
 passes rewrite in place, `keep_tp_graph` snapshots it for verify, and the partition copies the nodes of each chunk
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import logging
 import os
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -36,7 +35,8 @@ from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.passes.frontend.token_count import LossNormalization, loss_normalization
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
-from fxpar.passes.joint.export import DEFAULT_OVERLAP, JointProgram, check_joint
+from fxpar.passes.joint.dp_buckets import grad_order
+from fxpar.passes.joint.export import DEFAULT_OVERLAP, check_joint
 from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
                                                        place_meta_state_pass)
 from fxpar.passes.pipeline.lower import Program, lower_program
@@ -56,13 +56,11 @@ from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
 from fxpar.passes.sharding.vocab_analysis import vocab_analysis
 from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_analysis
 from fxpar.passes.tensor_parallel.sequence_parallel import gathered_gemms_pass, sequence_parallel_pass
-from fxpar.trace import TraceError, Traced, trace
+from fxpar.programs import JointRequest
+from fxpar.stages import run_stages
+from fxpar.trace import Traced, trace
 
 log = logging.getLogger("fxpar")
-
-
-class PassError(RuntimeError):
-    """A stage failed on input it should have handled (a bug in fxpar); the message names the stage."""
 
 
 @dataclass
@@ -100,13 +98,19 @@ class Compiled:
     schedule: dict | None = None  # the compute schedule of every pp rank (pipelined only)
     program: Program | None = None  # the lowered schedule the runtime runs (pipelined only)
     proof: SimResult | None = None  # the replay that proved the program (pipelined only)
-    callables: dict[int, Callable] | None = None  # chunk index -> what runs it (compiled with Config.compile)
+    callables: dict[int, Callable | JointRequest] | None = None  # chunk index -> what runs it, or its joint program
     buffers: dict | None = None  # buffer values the fusion may rely on (default: the model's)
     state_values: dict | None = None  # GraphInput -> the buffer or constant value a fusion may prove things from
     assumed: dict[GraphInput, torch.Tensor] = field(default_factory=dict)  # values a rewrite relied on (fusions)
     expected_state: dict | None = None  # chunk index -> key -> the fake value each weight was traced with
     done: list[str] = field(default_factory=list)
-    dumped: str = ""  # the code of the graph the driver last wrote to Config.dump_dir (the next diff's base)
+    dumped: dict[str, str] = field(default_factory=dict)  # product -> the code the driver last wrote to dump_dir
+    dumped_products: ClassVar[tuple[str, ...]] = ("gm",)  # the graph products the driver dumps (fxpar/stages.py)
+    what: ClassVar[str] = "compiler"  # how errors name the stages
+
+    def dump_folder(self) -> str:
+        """Config.dump_dir's folder for this rank: `rank<r>`, r its rank in the tp group."""
+        return os.path.join(self.config.dump_dir, f"rank{self.target.comm.rank}")
 
     @property
     def specs(self) -> dict[str, Shard]:
@@ -285,13 +289,13 @@ def _prove(c: Compiled) -> SimResult | None:
 
 
 def _compile(c: Compiled) -> dict[int, Callable]:
-    if c.config.joint_graph:  # traced at the first call of each input signature (passes/joint/export.py)
+    if c.config.joint_graph:  # made at the first call of each input signature (fxpar/programs.py)
         for chunk in c.partition.chunks:
             check_joint(chunk.gm)
         overlap = DEFAULT_OVERLAP if c.config.overlap is None else c.config.overlap
         min_cut = c.config.recompute != "none"
-        return {chunk.index: JointProgram(chunk.gm, c.config.compile, overlap, min_cut)
-                for chunk in c.partition.chunks}
+        return {chunk.index: JointRequest(chunk.index, c.config.compile, tuple(overlap), min_cut,
+                                          grad_order(chunk.gm)) for chunk in c.partition.chunks}
     return {chunk.index: compile_graph(chunk.gm) if c.config.compile else chunk.gm for chunk in c.partition.chunks}
 
 
@@ -352,54 +356,9 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags
     ("prove", "proof", _prove),  # compute order, tags, matching, boundaries, no deadlock (passes/pipeline/proofs.py)
-    ("compile", "callables", _compile),  # joint programs (Config.joint_graph); torch.compile (Config.compile)
+    ("compile", "callables", _compile),  # joint programs' requests (Config.joint_graph); torch.compile (Config.compile)
     ("expected_state", "expected_state", _expected_state),  # each chunk's weights as traced (the executable checks)
 )
-
-
-def run_stages(c: Compiled, stages=STAGES) -> Compiled:
-    """Run `stages` in order on the record; see the module docstring for the error contract."""
-    for name, product, fn in stages:
-        start = time.perf_counter()
-        try:
-            out = fn(c)
-            if product == "gm" and not isinstance(out, GraphModule):
-                raise TypeError(f"a graph stage returned {type(out).__name__}, not a GraphModule")
-            if product is not None:
-                setattr(c, product, out)
-            if product == "gm" and c.config.dump_dir:
-                _dump(c, name)
-        except (ValueError, TraceError) as e:
-            raise _same_kind(e, f"{e}\n(in fxpar compiler stage {name!r}, after {', '.join(c.done) or 'none'})") from e
-        except Exception as e:
-            raise PassError(f"fxpar compiler stage {name!r} failed (after {', '.join(c.done) or 'none'}): "
-                            f"{type(e).__name__}: {e}") from e
-        c.done.append(name)
-        log.debug("fxpar stage %s: %.3f s", name, time.perf_counter() - start)
-    return c
-
-
-def _dump(c: Compiled, name: str) -> None:
-    """Config.dump_dir: the working graph after stage `name` as `NN_name.py`, and `NN_name.diff` against the graph
-    the stage received (rank r of the tp group in a folder `rank<r>` of its own)."""
-    folder = os.path.join(c.config.dump_dir, f"rank{c.target.comm.rank}")
-    os.makedirs(folder, exist_ok=True)
-    base = os.path.join(folder, f"{len(c.done):02d}_{name}")
-    code = c.gm.code
-    before = c.dumped
-    with open(base + ".py", "w") as f:
-        f.write(code)
-    with open(base + ".diff", "w") as f:
-        f.writelines(difflib.unified_diff(before.splitlines(True), code.splitlines(True), "before", name))
-    c.dumped = code
-
-
-def _same_kind(e: Exception, message: str) -> Exception:
-    """An exception of e's type with a new message (plain ValueError when its type takes other arguments)."""
-    try:
-        return type(e)(message)
-    except TypeError:
-        return ValueError(message)
 
 
 def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | None, target: Target,
@@ -416,7 +375,7 @@ def compile_model(model: nn.Module, example_args: tuple, example_kwargs: dict | 
     c = Compiled(model, tuple(example_args), dict(example_kwargs or {}), target, config or Config(), loss=loss,
                  buffers=buffers)
     if traced is None:
-        return run_stages(c)
+        return run_stages(c, STAGES)
     _check_trace_of(traced, model)
     c.traced = traced
     c.done.append("trace (given)")

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fxpar.passes.tensor_parallel.collectives import TPComm
 
 MESH_DIMS = ("pp", "dp", "tp")
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("FXPAR_TIMEOUT_S", "300")))
@@ -40,6 +43,50 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int = 1) -> DeviceMesh:
     return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
 
 
+@dataclass
+class Groups:
+    """This rank's place in the (pp, dp, tp) mesh and the groups it talks in: the mesh, decoded once (decode_mesh)."""
+
+    pp_rank: int
+    pp: int
+    tp_rank: int
+    tp: int
+    dp: int
+    dp_rank: int
+    global_rank_of_stage: list[int]  # pp rank -> global rank with this rank's dp and tp coordinates
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    ranks: list = field(default_factory=list)  # the mesh's (pp, dp, tp) array of global ranks, as nested lists
+
+    @property
+    def comm(self) -> TPComm:
+        """This rank's tensor-parallel context."""
+        return TPComm(rank=self.tp_rank, size=self.tp, group=self.tp_group)
+
+    def global_rank(self, pp: int, dp: int, tp: int) -> int:
+        return self.ranks[pp][dp][tp]
+
+
+def decode_mesh(mesh: DeviceMesh | None) -> Groups | None:
+    """A (pp, dp, tp) mesh from init_mesh as this rank's Groups; None without a mesh or a process group."""
+    if mesh is None or not dist.is_initialized():
+        return None
+    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
+    p, d, t = mesh.mesh.shape
+    ranks = mesh.mesh.tolist()
+    return Groups(pp_rank, p, tp_rank, t, d, dp_rank, [ranks[q][dp_rank][tp_rank] for q in range(p)],
+                  mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp"), torch.device(mesh.device_type),
+                  ranks)
+
+
+def tp_comm(mesh: DeviceMesh | None) -> TPComm:
+    """This rank's tensor-parallel context from a (pp, dp, tp) mesh (one rank without one)."""
+    groups = decode_mesh(mesh)
+    return TPComm(rank=0, size=1) if groups is None else groups.comm
+
+
 def check_mesh(mesh: DeviceMesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     if names != MESH_DIMS:
@@ -65,13 +112,13 @@ def pipeline_crosses_hosts(ranks, hosts: list[str]) -> bool:
     return tp > 1 and tp_local and crossing
 
 
-def scatter_gather_wanted(setting, mesh: DeviceMesh) -> bool:
+def scatter_gather_wanted(setting, groups: Groups) -> bool:
     """Config.scatter_gather resolved on this mesh: True or False as given; "auto" asks every rank its host
     (collective: every rank decides alike) and turns it on only where pipeline_crosses_hosts."""
     if setting != "auto":
         return bool(setting)
-    if not dist.is_initialized() or mesh.size(MESH_DIMS.index("pp")) == 1 or mesh.size(MESH_DIMS.index("tp")) == 1:
+    if not dist.is_initialized() or groups.pp == 1 or groups.tp == 1:
         return False
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
-    return pipeline_crosses_hosts(mesh.mesh.tolist(), hosts)
+    return pipeline_crosses_hosts(groups.ranks, hosts)

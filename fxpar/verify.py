@@ -93,7 +93,8 @@ def verify(model, pm, example_args: tuple, example_kwargs: dict | None = None, t
                                f"placement {placement or 'R'}: max relative error {err:.3g} > {tol}"
             break
     if first > len(order):
-        err = _max_err(list(compiled.callables[0](*call_inputs(pm, example_args, example_kwargs)[1])), list(ref_out))
+        run = pm.rank.programs.runner(compiled, 0)
+        err = _max_err(list(run(*call_inputs(pm, example_args, example_kwargs)[1])), list(ref_out))
         worst = max(worst, err)
         if err > tol:
             first, detail = len(order), f"the outputs after fusion/recompute: max relative error {err:.3g} > {tol}"

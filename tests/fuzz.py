@@ -151,7 +151,8 @@ def _chained(pm, args, kwargs):
     flat = pm._flatten_inputs(args, kwargs)
     received = []
     for chunk in program.partition.chunks:
-        received = list(program.callables[chunk.index](*pm._chunk_inputs(chunk, flat, received, program)))
+        run = pm.rank.programs.runner(program, chunk.index)
+        received = list(run(*pm._chunk_inputs(chunk, flat, received, program)))
     return pytree.tree_unflatten(received, program.traced.out_spec)
 
 
@@ -263,7 +264,8 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
     and both builds (tracing is most of the time)."""
     from fxpar.api import build
     from fxpar.compiler import retarget
-    from fxpar.runtime.executable import ParallelModule, tp_comm
+    from fxpar.mesh import tp_comm
+    from fxpar.runtime.executable import ParallelModule
 
     tol = TOL[next(model.parameters()).dtype]
     reference, chain_model, chain_ref = (copy.deepcopy(model) for _ in range(3))
@@ -317,7 +319,7 @@ def check_loss(model, args, kwargs, batch, target, mesh, traced) -> dict:
     pm.step on the global batch (global args, global kwargs) = `batch` and its `target`, against one process
     training on the whole batch: the losses and every parameter to TOL of its dtype."""
     from fxpar.api import build
-    from fxpar.runtime.executable import tp_comm
+    from fxpar.mesh import tp_comm
 
     tol = TOL[next(model.parameters()).dtype]
     reference = copy.deepcopy(model)

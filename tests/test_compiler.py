@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxpar.compiler import STAGES, Compiled, PassError, Target, compile_model, run_stages
+from fxpar.compiler import STAGES, Compiled, Target, compile_model
+from fxpar.stages import PassError, run_stages
 from fxpar.config import Config
 from fxpar.passes.ir.meta import FXPAR_COMM, FXPAR_INPUT, FXPAR_PLACEMENT
 from fxpar.passes.tensor_parallel.collectives import TPComm

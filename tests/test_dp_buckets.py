@@ -24,8 +24,13 @@ from tests.test_joint_graph import _Seen, _planned
 from tests.test_zero import _adamw
 from fxpar.passes.ir.meta import PARAMETER, input_of
 from fxpar.passes.joint.comm_table import collectives, program_comm
-from fxpar.passes.joint.dp_buckets import FXPAR_DP, DPReduce, buckets_of, with_dp_buckets
-from fxpar.passes.joint.export import OVERLAP_NAMES, JointProgram
+from fxpar.config import Config
+from fxpar.passes.ir.pieces import DPReduce
+from fxpar.passes.ir.pieces import buckets as cut_buckets
+from fxpar.passes.joint.dp_buckets import FXPAR_DP, grad_order, with_dp_buckets
+from fxpar.passes.joint.export import OVERLAP_NAMES
+from fxpar.programs import DPBuckets, JointRequest
+from fxpar.runtime.joint_runner import JointRunner
 from fxpar.passes.ir.op_families import DECOMPOSED_GEMMS
 from fxpar.passes.joint.overlap import overlaps
 from fxpar.passes.sharding.comm_audit import DP_ROW, program_table
@@ -44,8 +49,14 @@ def _weights(gm) -> dict[str, int]:
 def _variant(cap: float, passes=("early_collectives", "late_waits")):
     gm, traced = _program("gpt")
     weights = _weights(gm)
-    buckets = buckets_of(gm, list(weights), weights, cap)
-    return gm, traced, buckets, JointProgram(with_dp_buckets(gm, buckets, SIMULATED_DP), passes=passes).traced
+    cut = buckets_of(gm, list(weights), weights, cap)
+    dp = DPBuckets(tuple(map(tuple, cut)), SIMULATED_DP, frozenset(weights))
+    request = JointRequest(0, False, passes, False, grad_order(gm), dp)
+    return gm, traced, cut, JointRunner(gm, request, Config(), 0).record
+
+
+def buckets_of(gm, keys, nbytes, cap):
+    return cut_buckets(grad_order(gm), keys, nbytes, cap)
 
 
 class TestDPBuckets(expecttest.TestCase):

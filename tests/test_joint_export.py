@@ -9,7 +9,8 @@ from tests import models
 from fxpar.compiler import Target, compile_model
 from fxpar.config import Config
 from fxpar.passes.joint.comm_table import collectives, program_comm
-from fxpar.passes.joint.export import JointProgram
+from fxpar.programs import JointRequest
+from fxpar.runtime.joint_runner import JointRunner
 from fxpar.passes.sharding.comm_audit import program_table
 from fxpar.passes.tensor_parallel.collectives import TPComm
 
@@ -18,8 +19,8 @@ def _program(name: str, **config):
     model, args, kwargs = models.build(name)
     c = compile_model(model, args, kwargs, Target(TPComm(0, 2)), Config(joint_graph=True, **config))
     chunk = c.partition.chunks[0]
-    assert isinstance(c.callables[chunk.index], JointProgram)
-    return chunk.gm, c.callables[chunk.index].traced
+    assert isinstance(c.callables[chunk.index], JointRequest)
+    return chunk.gm, JointRunner(chunk.gm, c.callables[chunk.index], c.config, 0).record
 
 
 class TestJointExport(expecttest.TestCase):

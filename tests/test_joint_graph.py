@@ -144,11 +144,11 @@ def _variant(name: str):
         with torch.no_grad():
             return (pm(*args, **kwargs) - reference(*args, **kwargs)).abs().max().item(), 0.0, 0
     if name == "frozen":  # the plan traces the signature of a training call first
-        assert pm.plan.program_comm and len(pm.compiled.callables[0].by_signature) == 1
+        assert pm.plan.program_comm and len(pm.rank.programs.runner(pm.compiled, 0).by_signature) == 1
         dict(pm.named_parameters())["h.0.mlp.c_fc.weight"].requires_grad_(False)
         reference.h[0].mlp.c_fc.weight.requires_grad_(False)
     gaps = sgd_gaps(pm, reference, args, kwargs)
-    return (*gaps, len(pm.compiled.callables[0].by_signature))
+    return (*gaps, len(pm.rank.programs.runner(pm.compiled, 0).by_signature))
 
 
 @pytest.mark.gloo
@@ -177,7 +177,7 @@ def _saved(recompute: str):
         _, saved = saved_activation_bytes(lambda: pm(*args, **kwargs), [*pm.parameters(), *pm.buffers()])
         states = 0
         if joint:
-            forward = pm.compiled.callables[0].traced.forward
+            forward = pm.rank.programs.runner(pm.compiled, 0).record.forward
             state = torch.get_rng_state()
             states = sum(v.numel() for a in forward.graph.find_nodes(op="output")[0].args[0]
                          if isinstance(v := getattr(a, "meta", {}).get("val"), torch.Tensor)

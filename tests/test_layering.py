@@ -74,7 +74,9 @@ LAYERS = (
     ("fxpar.passes",),  # the graph passes
     ("fxpar.mixed_precision", "fxpar.config", "fxpar.mesh", "fxpar.guard", "fxpar.targets"),  # what the user gives
     ("fxpar.trace",),  # the frontend
-    ("fxpar.compiler",),  # the driver: STAGES
+    ("fxpar.stages",),  # the driver that runs a list of stages on a record
+    ("fxpar.programs",),  # PROGRAM_STAGES: a chunk's joint program, per input signature
+    ("fxpar.compiler", "fxpar.describe"),  # STAGES; the plan of what it made
     ("fxpar.runtime",),  # the executables: they run what the compiler made
     ("fxpar.verify", "fxpar.checkpoint", "fxpar.api"),  # over a parallel module
     ("fxpar.check",),  # the exactness proof, through parallelize

@@ -137,7 +137,7 @@ def _measured_state_bytes(name, t, precision, zero):
     from fxpar.cost.memory import state_bytes
     from fxpar.runtime.optim import state_bytes as measure
     from fxpar.runtime.optim import trainable
-    from fxpar.passes.joint.dp_buckets import piece_size
+    from fxpar.passes.ir.pieces import piece_size
 
     model, args, kwargs = models.build(name)
     d = 2 // t

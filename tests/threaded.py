@@ -80,7 +80,7 @@ def parallelize_traced(model, traced, args: tuple, kwargs: dict | None = None, t
     thread-safe: two ranks tracing at once can trip over each other's fake mode)."""
     import fxpar
     from fxpar.api import build
-    from fxpar.runtime.executable import tp_comm
+    from fxpar.mesh import tp_comm
 
     mesh = fxpar.init_mesh(tp=tp)
     return build(model, tp_comm(mesh), args, kwargs or {}, mesh, config=config, traced=traced)

@@ -179,7 +179,7 @@ def run(args) -> int:
         print(render(compiled.partition.chunks[0].gm, args.format, where, pm.plan))
     if config.joint_graph:
         for chunk in compiled.partition.chunks if args.chunk is None else [compiled.partition.chunks[args.chunk]]:
-            traced = compiled.callables[chunk.index].traced
+            traced = pm.rank.programs.runner(compiled, chunk.index).record
             for half, program in (("forward", traced.forward), ("backward", traced.backward)):
                 print(f"\nchunk {chunk.index}, {half} program: each collective, and what runs while it is in "
                       "flight\n" + ("\n".join(describe(program)) or "no collective"))

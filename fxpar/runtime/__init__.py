@@ -5,6 +5,7 @@
     interpreter.py          runs one rank's lowered action list, one handler per action kind
     buckets.py              the step's dp gradient reduction: by the last microbatch's program, or in buckets here
     program_cache.py        programs keyed by what the trace froze (train/eval, non-tensor arguments)
+    joint_runner.py         a chunk's joint programs, one per input signature, asked of the compiler
     weights.py              RankWeights: keys, aliases, shapes, shardings, live tensors, gradients, what is unloaded
     optim.py                pm.optimizer: a torch.optim optimizer over what a rank steps
     zero.py                 the distributed optimizer (ZeRO-1) over the dp group

@@ -22,14 +22,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpar.passes.joint.dp_buckets import handle_dtype, handle_shape, piece_size
+from fxpar.passes.ir.pieces import handle_dtype, handle_shape, piece_size
 
 
 @dataclass
 class ChunkBuckets:
     """A chunk's weights reduced in its last microbatch's program: the buckets (placeholder keys, in the program's
-    order), the weight under each key, and that program (`make(has_acc)`: the chunk graph with_dp_buckets, as a
-    JointProgram), one per set of weights that pass an accumulated gradient."""
+    order), the weight under each key, and that program (`make(has_acc)`: a JointRunner of the chunk's request
+    with its dp buckets, fxpar/runtime/joint_runner.py), one per set of weights that pass an accumulated gradient."""
 
     buckets: list[list[str]]
     params: dict[str, torch.Tensor]

@@ -10,21 +10,20 @@ and the random generators if it raises.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpar.runtime.clip import clip_grad_norm_
 from fxpar.compiler import Compiled, canonical_keys
+from fxpar.programs import JointRequest
 from fxpar.guard import preserve_global_state
+from fxpar.mesh import Groups
+from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.runtime.optim import MainParamsOptimizer, trainable
 from fxpar.passes.ir.meta import resolve_inputs
-from fxpar.cost.cluster import get_cluster
-from fxpar.passes.joint.comm_table import program_comm
-from fxpar.passes.joint.export import JointProgram
-from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.ir.placements import local_shard, unshard
-from fxpar.passes.sharding.plan import Plan, WeightShard, make_plan
+from fxpar.passes.sharding.plan import Plan, WeightShard
+from fxpar.describe import plan_of
 from fxpar.runtime.precision import Grads, LossScaler
 from fxpar.runtime.program_cache import Programs, describe_mismatch
 from fxpar.runtime.replicas import check_replicas
@@ -40,9 +39,6 @@ def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
             mod.add_module(p, nn.Module())
         mod = mod._modules[p]
     return mod, leaf
-
-
-ESTIMATE_ON = "h100"  # the cluster whose rates the plan estimates each layer's exposed communication with
 
 
 class RankState:
@@ -61,6 +57,9 @@ class RankState:
         self.loss_fn = None  # a pipeline rank's loss
         self.scatter_gather = False  # a pipeline rank sends 1/t of each boundary value
         self.stats = None  # a pipeline rank's last step's timings (fxpar/runtime/interpreter.py Stats)
+        self.spelling: nn.Module | None = None  # the model whose state-dict hooks spell its state (weights.py)
+        self.warned_normalization = False  # a pipeline rank said once that its microbatch losses weigh equally
+        self.made_buckets: dict = {}  # a pipeline rank's dp buckets in the program, by program, chunk and weights
 
     @property
     def specs(self) -> dict:
@@ -71,18 +70,18 @@ class RankState:
 class ParallelModule(nn.Module):
     """`pm(*args)` returns what `model(*args)` returns; its parameters are this rank's shards."""
 
-    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None, mesh=None,
-                 groups=None):
+    def __init__(self, model: nn.Module, compiled: Compiled, used_keys: set[str] | None = None,
+                 mesh: Groups | None = None, pipeline: bool = False):
         """used_keys: the state keys this rank's chunks read (a pipeline stage holds only its own); None: all.
-        groups: a pipeline rank's mesh groups (fxpar/runtime/interpreter.py Groups)."""
+        mesh: the decoded mesh (fxpar/mesh.py decode_mesh); pipeline: a pipeline rank, which keeps it as rank.groups."""
         super().__init__()
-        self.__dict__["rank"] = RankState(compiled.target.comm, compiled.target.streams,
-                                          Programs(compiled, model.training), _replica_groups(mesh))
+        self.rank = RankState(compiled.target.comm, compiled.target.streams, Programs(compiled, model.training),
+                              {} if mesh is None else {"tp": mesh.tp_group, "dp": mesh.dp_group})
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
         aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
         keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
-        self.__dict__["_spelling"] = model if has_state_hooks(model) else None  # whose hooks spell the state
+        self.rank.spelling = model if has_state_hooks(model) else None
         specs = {aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {aliases[k] for k in used_keys}
         slots, unloaded = {}, set()
@@ -111,8 +110,8 @@ class ParallelModule(nn.Module):
         if mp is not None and mp.loss_scale is not None:
             device = next((t.device for t in self.rank.weights.held().values()), torch.device("cpu"))
             self.rank.scaler = LossScaler(mp.loss_scale, device)
-        self.rank.groups = groups
-        self.__dict__["_planned"] = compiled  # the program pm.plan describes
+        self.rank.groups = mesh if pipeline else None
+        self._planned = compiled  # the program pm.plan describes
         self.plan: Plan = self._make_plan(compiled)
 
     # ---- programs -----------------------------------------------------------------------------------------------
@@ -139,17 +138,12 @@ class ParallelModule(nn.Module):
 
     def _make_plan(self, program: Compiled) -> Plan:
         """The plan of `program` on this rank (pm.plan: of the program that ran last, or of the first)."""
-        partition = program.partition if program.target.pipelined else None
         groups = self.rank.groups  # a pipeline rank reads the joint programs of its own chunks only
-        joint = [(c.gm, program.callables[c.index].traced) for c in program.partition.chunks
-                 if isinstance(program.callables[c.index], JointProgram)
+        joint = [(c.gm, self.rank.programs.runner(program, c.index).record) for c in program.partition.chunks
+                 if isinstance(program.callables[c.index], JointRequest)
                  and (groups is None or c.index % groups.pp == groups.pp_rank)]
-        dp = self._dp_programs(program)
-        table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp,
-                             groups.dp if groups is not None else 1) if joint else ()
-        return make_plan(program.analysis, self._weight_shards(), partition, program.target.pp,
-                         program.traced.loss_note, program.tp_graph, tuple(program.sequence.lines()), table,
-                         ESTIMATE_ON, program.normalization.line() if program.normalization else "")
+        return plan_of(program, self._weight_shards(), joint, self._dp_programs(program),
+                       groups.dp if groups is not None else 1)
 
     def _dp_programs(self, program: Compiled) -> list:
         """The joint programs of this rank's chunks' last microbatches that reduce gradients over dp (pm.step's:
@@ -195,7 +189,7 @@ class ParallelModule(nn.Module):
             program = self._program_for(flat)
             self._check_weights(program)
             chunk = program.partition.chunks[0]
-            out = program.callables[0](*self._chunk_inputs(chunk, flat, program=program))
+            out = self.rank.programs.runner(program, 0)(*self._chunk_inputs(chunk, flat, program=program))
             return pytree.tree_unflatten(list(out), program.traced.out_spec)
 
     # ---- weights ------------------------------------------------------------------------------------------------
@@ -204,8 +198,8 @@ class ParallelModule(nn.Module):
         rank's own (local shapes). Tied keys load once; keys another pipeline stage holds are skipped. The model's
         own spelling of its state (its load pre-hooks: [Note: state-dict hooks] in fxpar/runtime/weights.py) is taken
         too."""
-        if self._spelling is not None and not set(state_dict) <= set(self.rank.weights.aliases):
-            state_dict = from_model_spelling(self._spelling, state_dict)
+        if self.rank.spelling is not None and not set(state_dict) <= set(self.rank.weights.aliases):
+            state_dict = from_model_spelling(self.rank.spelling, state_dict)
         return load_full_or_local(self, state_dict, strict, assign)
 
     def manual_seed(self, seed: int) -> None:
@@ -246,7 +240,7 @@ class ParallelModule(nn.Module):
         in the model's own spelling (its state-dict hooks run: [Note: state-dict hooks]). Collective over the tp
         group (and the pp group of a pipeline: every rank receives the whole dict)."""
         full = self._full_tensors()
-        return full if self._spelling is None else to_model_spelling(self._spelling, full)
+        return full if self.rank.spelling is None else to_model_spelling(self.rank.spelling, full)
 
     @torch.no_grad()
     def _full_tensors(self) -> dict[str, torch.Tensor]:
@@ -280,19 +274,3 @@ def full_tensors(pm: ParallelModule) -> dict[str, torch.Tensor]:
     """Full tensors under their parameter and buffer keys, tied keys included, without the model's state-dict hooks
     (pm.full_state_dict spells them as the model does). Collective over tp (and pp)."""
     return pm._full_tensors()
-
-
-def _replica_groups(mesh) -> dict:
-    """The groups across which this rank's weights have replicas: tp (for replicated weights) and dp (for all)."""
-    if mesh is None or not dist.is_initialized():
-        return {}
-    return {"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}
-
-
-def tp_comm(mesh) -> TPComm:
-    """This rank's tensor-parallel context from a (pp, dp, tp) mesh."""
-    if mesh is None or not dist.is_initialized():
-        return TPComm(rank=0, size=1)
-    group = mesh.get_group("tp")
-    return TPComm(rank=mesh.get_local_rank("tp"), size=mesh.size(mesh.mesh_dim_names.index("tp")), group=group)
-

@@ -22,28 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxpar.mesh import Groups
 from fxpar.runtime.buckets import GradBuckets
 from fxpar.runtime.measure import saved_activation_bytes
 from fxpar.passes.pipeline.lower import Program
 from fxpar.passes.ir.placements import Replicate
 from fxpar.passes.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, rank_of_chunk
-
-
-@dataclass
-class Groups:
-    """This rank's place in the (pp, dp, tp) mesh and the groups it talks in."""
-
-    pp_rank: int
-    pp: int
-    tp_rank: int
-    tp: int
-    dp: int
-    dp_rank: int
-    global_rank_of_stage: list[int]  # pp rank -> global rank with this rank's dp and tp coordinates
-    tp_group: object = None
-    dp_group: object = None
-    pp_group: object = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 @dataclass

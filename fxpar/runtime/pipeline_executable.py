@@ -21,31 +21,24 @@ import torch.utils._pytree as pytree
 
 from fxpar.runtime.executable import ParallelModule
 from fxpar.guard import preserve_global_state
-from fxpar.mesh import scatter_gather_wanted
+from fxpar.mesh import Groups, scatter_gather_wanted
 from fxpar.runtime.optim import trainable
 from fxpar.passes.ir.meta import PARAMETER
 from fxpar.runtime.program_cache import describe_mismatch
-from fxpar.passes.joint.dp_buckets import DPReduce, buckets_of, with_dp_buckets
-from fxpar.passes.joint.export import DP_BUCKETS, JointProgram
+from fxpar.passes.ir.pieces import DPReduce
+from fxpar.passes.ir.pieces import buckets as bucket_keys
+from fxpar.programs import DPBuckets, JointRequest
+from fxpar.runtime.joint_runner import JointRunner
 from fxpar.runtime.buckets import ChunkBuckets, GradBuckets
-from fxpar.runtime.interpreter import P2P, Groups, Runtime, Stats, write_chrome_trace
+from fxpar.runtime.interpreter import P2P, Runtime, Stats, write_chrome_trace
 from fxpar.runtime.weights import tensor_keys
 
 
-def mesh_groups(mesh) -> Groups:
-    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
-    p, d, t = mesh.mesh.shape
-    stage_ranks = [int(mesh.mesh[q, dp_rank, tp_rank]) for q in range(p)]
-    device = torch.device(mesh.device_type)
-    return Groups(pp_rank, p, tp_rank, t, d, dp_rank, stage_ranks, mesh.get_group("tp"), mesh.get_group("dp"),
-                  mesh.get_group("pp"), device)
-
-
-def _variants(joint: JointProgram, buckets: list[list[str]], reduce: DPReduce):
+def _variants(chunk_gm, request: JointRequest, buckets: list[list[str]], reduce: DPReduce, config, rank: int):
     """What makes the joint program of a chunk's last microbatch, the weights in `buckets` reduced over dp."""
-    def make(has_acc: dict[str, bool]) -> JointProgram:
-        gm = with_dp_buckets(joint.gm, buckets, reduce, has_acc)
-        return dataclasses.replace(joint, gm=gm, by_signature={}, last=None)
+    def make(has_acc: dict[str, bool]) -> JointRunner:
+        dp = DPBuckets(tuple(map(tuple, buckets)), reduce, frozenset(k for k, a in has_acc.items() if a))
+        return JointRunner(chunk_gm, dataclasses.replace(request, dp=dp), config, rank)
 
     return make
 
@@ -69,7 +62,7 @@ class Stage:
         if last is not None:
             program, extra = last
             return list(program(*inputs, *extra))
-        return list(self.program.callables[chunk.index](*inputs))
+        return list(self.pm.rank.programs.runner(self.program, chunk.index)(*inputs))
 
     def loss(self, outs: list, target) -> torch.Tensor:
         """The microbatch's loss: the last chunk's output when the loss was traced with the model ([Note: the loss
@@ -82,26 +75,25 @@ class Stage:
 class PipelineModule(ParallelModule):
     """A ParallelModule that holds only its pipeline stage's chunks and weights; train it with step()."""
 
-    def __init__(self, model, compiled, mesh, loss_fn):
-        groups = mesh_groups(mesh)
+    def __init__(self, model, compiled, groups: Groups, loss_fn):
         partition = compiled.partition
         mine = [c for c in partition.chunks if c.index % groups.pp == groups.pp_rank]
         used = {gi.key for c in mine for gi in c.inputs if gi.is_state}
         if groups.pp_rank == 0:  # state no chunk reads (a mask buffer that fusion made unused) stays with stage 0
             read = {gi.key for c in partition.chunks for gi in c.inputs if gi.is_state}
             used |= set(tensor_keys(model)) - read
-        super().__init__(model, compiled, used_keys=used, mesh=mesh, groups=groups)
+        super().__init__(model, compiled, used_keys=used, mesh=groups, pipeline=True)
         self.rank.loss_fn = loss_fn
-        self.rank.scatter_gather = scatter_gather_wanted(compiled.config.scatter_gather, mesh)
+        self.rank.scatter_gather = scatter_gather_wanted(compiled.config.scatter_gather, groups)
         self.rank.programs.loss_fn = loss_fn
-        self._tied = self._tied_groups(mesh, partition)
+        self._tied = self._tied_groups(groups, partition)
         self.rank.replica_groups["tied"] = self._tied
         self.rank.stats = Stats()
         self._steps = 0
 
-    def _tied_groups(self, mesh, partition) -> dict[str, object]:
+    def _tied_groups(self, groups: Groups, partition) -> dict[str, object]:
         """Parameters read on several pipeline ranks: key -> the group of their owners ([Note: pipeline ownership])."""
-        p, d, t = mesh.mesh.shape
+        p, d, t = groups.pp, groups.dp, groups.tp
         owners: dict[str, set[int]] = {}
         for c in partition.chunks:
             for gi in c.inputs:
@@ -113,7 +105,7 @@ class PipelineModule(ParallelModule):
                 continue
             for dp_i in range(d):  # every rank creates every group, in the same order
                 for tp_i in range(t):
-                    ranks = [int(mesh.mesh[q, dp_i, tp_i]) for q in sorted(stages)]
+                    ranks = [groups.global_rank(q, dp_i, tp_i) for q in sorted(stages)]
                     group = dist.new_group(ranks)
                     if dist.get_rank() in ranks:
                         out[key] = group
@@ -195,8 +187,8 @@ class PipelineModule(ParallelModule):
         if g.dp * len(micro) == 1:
             return None
         if norm is None or norm.count is None:
-            if not self.__dict__.get("_warned_normalization"):
-                self.__dict__["_warned_normalization"] = True
+            if not self.rank.warned_normalization:
+                self.rank.warned_normalization = True
                 why = norm.why if norm is not None else program.traced.loss_note or "the loss is not traced"
                 warnings.warn(f"fxpar step: each of the {g.dp * len(micro)} microbatch losses (dp={g.dp}, "
                               f"m={len(micro)}) is weighted equally, which equals the whole batch's loss only when "
@@ -249,7 +241,7 @@ class PipelineModule(ParallelModule):
     def _dp_programs(self, program) -> list:
         """Those of a step with every weight accumulating (m > 1), or none holding a gradient (m = 1)."""
         many = self.config.microbatches > 1
-        return [cb.program({k: many for k in cb.params}).traced
+        return [cb.program({k: many for k in cb.params}).record
                 for cb in self._program_buckets(Stage(self, program)).values()]
 
     def _program_buckets(self, stage: Stage) -> dict[int, ChunkBuckets]:
@@ -264,19 +256,20 @@ class PipelineModule(ParallelModule):
         reduce = DPReduce(self.rank.groups.dp, self.rank.groups.dp_group.group_name, scatter=bool(self.config.zero),
                           main_dtype=torch.float32 if main else None,
                           reduce_dtype=mp.reduce_dtype if mp is not None else None)
-        made, out = self.__dict__.setdefault("_made_buckets", {}), {}
+        made, out = self.rank.made_buckets, {}
         for c in stage.chunks.values():
             joint = stage.program.callables[c.index]
-            if not isinstance(joint, JointProgram) or DP_BUCKETS not in joint.passes:
+            if not isinstance(joint, JointRequest) or not joint.dp_in_program:
                 continue
             trained = {id(p) for p in params[c.index] if uses[id(p)] == 1}
             mine = {gi.key: p for gi in c.inputs if gi.kind == PARAMETER
                     and id(p := self.rank.weights.live[self.rank.weights.aliases[gi.key]]) in trained}
-            key = (id(joint), tuple(sorted(mine)), reduce)
+            key = (id(stage.program), c.index, tuple(sorted(mine)), reduce)
             if key not in made:
                 nbytes = {k: p.numel() * (4 if main else p.element_size()) for k, p in mine.items()}
-                buckets = buckets_of(joint.gm, list(mine), nbytes, self.config.bucket_mb * 2**20)
-                made[key] = ChunkBuckets(buckets, mine, reduce, _variants(joint, buckets, reduce))
+                buckets = bucket_keys(joint.grad_order, mine, nbytes, self.config.bucket_mb * 2**20)
+                made[key] = ChunkBuckets(buckets, mine, reduce, _variants(c.gm, joint, buckets, reduce, self.config,
+                                                                          self.rank.comm.rank))
             out[c.index] = made[key]
         return out
 

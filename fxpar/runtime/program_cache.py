@@ -18,6 +18,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpar.compiler import Compiled, Target, compile_model
+from fxpar.programs import JointRequest
+from fxpar.runtime.joint_runner import JointRunner
 from fxpar.runtime.ownership import traceable
 
 log = logging.getLogger("fxpar")
@@ -73,6 +75,7 @@ class Programs:
         self.loss_fn, self.example_target = first.loss or (None, None)  # a pipeline sets them ([Note: the loss ...])
         self.by_key = {(training, first.traced.with_loss, static_key(first.traced.example_inputs)): first}
         self._seen: dict = {}  # GraphInput -> (id, _version) of the buffer last checked
+        self._runners: dict = {}  # (id of a program, chunk index) -> (the program, its chunk's JointRunner)
 
     def example(self, with_loss: bool) -> tuple[list, pytree.TreeSpec]:
         """The flat inputs and spec of the example call: the model's own, or with its loss's target
@@ -80,6 +83,19 @@ class Programs:
         first = self.first
         args = (*first.example_args, self.example_target) if with_loss else first.example_args
         return pytree.tree_flatten((tuple(args), first.example_kwargs))
+
+    def runner(self, program: Compiled, index: int):
+        """What runs chunk `index` of `program`: its callable, or the runtime's cache of its joint programs (one per
+        input signature, fxpar/runtime/joint_runner.py), made at the first ask."""
+        made = program.callables[index]
+        if not isinstance(made, JointRequest):
+            return made
+        entry = self._runners.get((id(program), index))
+        if entry is None or entry[0] is not program:
+            chunk = next(c for c in program.partition.chunks if c.index == index)
+            entry = self._runners[id(program), index] = (program, JointRunner(chunk.gm, made, program.config,
+                                                                                 program.target.comm.rank))
+        return entry[1]
 
     def get(self, training: bool, flat: list, live_state, buffer_values, with_loss: bool = False) -> Compiled:
         key = (training, with_loss, static_key(flat))

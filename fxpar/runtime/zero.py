@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxpar.passes.joint.dp_buckets import pieces, rank_major
+from fxpar.passes.ir.pieces import pieces, rank_major
 from fxpar.runtime.optim import WrappedOptimizer, trainable
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Adadelta", "NAdam", "RAdam", "ASGD", "Rprop")

@@ -8,4 +8,5 @@
     op_families.py    the op families every pass and rule recognises (views, layout, casts, softmax, GEMMs, ...);
                       a GEMM reading a node, a node's rows viewed as 2-D
     kernels.py        the fused ops passes/fusion inserts (plain functions over autograd Functions)
+    pieces.py         how data-parallel gradients are laid out: DPReduce, ZeRO's pieces, dp buckets' handles
 """

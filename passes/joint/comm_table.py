@@ -13,10 +13,11 @@ without the dp_buckets pass: fxpar/runtime/buckets.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch.fx import GraphModule
 
 from fxpar.passes.joint.dp_buckets import DP_BUCKET
-from fxpar.passes.joint.export import JointTraced
 from fxpar.passes.ir.op_families import DECOMPOSED_GEMMS
 from fxpar.passes.joint.overlap import exposed_seconds, overlaps
 from fxpar.passes.sharding.comm_audit import BACKWARD, DP_ROW, FORWARD, OUTSIDE, ProgramComm, audit
@@ -28,25 +29,36 @@ def collectives(program: GraphModule) -> list[tuple[str, str]]:
     return [(o.op, o.node) for o in overlaps(program)]
 
 
-def program_comm(chunks: list[tuple[GraphModule, JointTraced]], t: int = 2, cluster=None,
-                 dp: list[JointTraced] = (), d: int = 1) -> tuple[ProgramComm, ...]:
-    """Per layer, the collectives of the forward and backward programs of (chunk graph, joint program) pairs, in
-    chunk order; those outside every layer (the vocabulary's) next, as OUTSIDE; last, as DP_ROW, the dp buckets of
-    the last microbatch's programs `dp` (over d ranks). With a cluster (fxpar.cost's), each row also estimates the
-    layer's communication time and what of it the compute between each collective's start and wait hides
-    (passes/joint/overlap.py)."""
-    found: dict[str, dict] = {}
+@dataclass
+class _Row:
+    """One layer's collectives as they are found: ops by half, estimated seconds, GEMMs that hide them."""
 
-    def row(layer):
-        return found.setdefault(layer, {FORWARD: [], BACKWARD: [], "comm": 0.0, "exposed": 0.0, "gemms": 0})
+    forward: list[str] = field(default_factory=list)
+    backward: list[str] = field(default_factory=list)
+    comm: float = 0.0
+    exposed: float = 0.0
+    gemms: int = 0
 
-    def add(r, half, o, ranks):
-        r[half].append(o.op)
-        r["gemms"] += sum(n.target in DECOMPOSED_GEMMS for n in o.hidden)
+    def add(self, half: str, o, ranks: int, cluster) -> None:
+        (self.forward if half == FORWARD else self.backward).append(o.op)
+        self.gemms += sum(n.target in DECOMPOSED_GEMMS for n in o.hidden)
         if cluster is not None:
             comm, hidden = exposed_seconds(o, ranks, cluster)
-            r["comm"] += comm
-            r["exposed"] += max(0.0, comm - hidden)
+            self.comm += comm
+            self.exposed += max(0.0, comm - hidden)
+
+
+def program_comm(chunks: list[tuple[GraphModule, object]], t: int = 2, cluster=None, dp: list = (),
+                 d: int = 1) -> tuple[ProgramComm, ...]:
+    """Per layer, the collectives of the `forward` and `backward` programs of (chunk graph, joint program) pairs
+    (fxpar/programs.py ProgramRecord), in chunk order; those outside every layer (the vocabulary's) next, as
+    OUTSIDE; last, as DP_ROW, the dp buckets of the last microbatch's programs `dp` (over d ranks). With a cluster
+    (fxpar.cost's), each row also estimates the layer's communication time and what of it the compute between each
+    collective's start and wait hides (passes/joint/overlap.py)."""
+    found: dict[str, _Row] = {}
+
+    def row(layer) -> _Row:
+        return found.setdefault(layer, _Row())
 
     for chunk_gm, traced in chunks:
         layer_of = {c.node: lc.layer for lc in audit(chunk_gm) for c in (*lc.forward, *lc.backward, *lc.small)}
@@ -54,12 +66,12 @@ def program_comm(chunks: list[tuple[GraphModule, JointTraced]], t: int = 2, clus
             row(layer)
         for half, program in ((FORWARD, traced.forward), (BACKWARD, traced.backward)):
             for o in overlaps(program):
-                add(row(layer_of.get(o.node, OUTSIDE)), half, o, t)
+                row(layer_of.get(o.node, OUTSIDE)).add(half, o, t, cluster)
     for traced in dp:
         for o in overlaps(traced.backward):
             if o.node.startswith(DP_BUCKET):
-                add(row(DP_ROW), BACKWARD, o, d)
+                row(DP_ROW).add(BACKWARD, o, d, cluster)
     last = [OUTSIDE, DP_ROW]
     order = [layer for layer in found if layer not in last] + [layer for layer in last if layer in found]
-    return tuple(ProgramComm(layer, tuple(found[layer][FORWARD]), tuple(found[layer][BACKWARD]),
-                             found[layer]["comm"], found[layer]["exposed"], found[layer]["gemms"]) for layer in order)
+    return tuple(ProgramComm(layer, tuple(r.forward), tuple(r.backward), r.comm, r.exposed, r.gemms)
+                 for layer, r in ((layer, found[layer]) for layer in order))

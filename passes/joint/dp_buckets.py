@@ -28,59 +28,18 @@ them (comm_table.py).
 """
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from fxpar.passes.ir.meta import input_of
+from fxpar.passes.ir.meta import PARAMETER, input_of
+from fxpar.passes.ir.pieces import DPReduce, handle_dtype, handle_shape, piece_size, rank_major
 
 DP_BUCKET = "dp_bucket_"  # the name of each bucket's module and call node: dp_bucket_0, ...
 FXPAR_DP = "fxpar_dp"  # meta of a variant's added placeholders: "accumulated" or "handle"
 _c10d = torch.ops._c10d_functional
-
-
-@dataclass(frozen=True)
-class DPReduce:
-    """How a bucket is reduced over dp."""
-
-    size: int  # d
-    group_name: str  # the dp group's (what a functional collective names)
-    scatter: bool = False  # the distributed optimizer: reduce-scatter this rank's pieces (the sums, not the mean)
-    main_dtype: torch.dtype | None = None  # the accumulated gradients' (fp32 main gradients); None: the weight's
-    reduce_dtype: torch.dtype | None = None  # of the collective; None: the gradient's (fp32 with `scatter`)
-
-
-def piece_size(n: int, d: int) -> int:
-    return math.ceil(n / d) if n else 0
-
-
-def pieces(flat: torch.Tensor, d: int) -> list[torch.Tensor]:
-    """The d pieces of a flat tensor ([Note: pieces] in fxpar/runtime/zero.py), the last padded with zeros."""
-    size = piece_size(flat.numel(), d)
-    padded = torch.nn.functional.pad(flat, (0, size * d - flat.numel()))
-    return list(padded.view(d, size).unbind(0)) if size else [flat.new_zeros(0)] * d
-
-
-def rank_major(grads: list[torch.Tensor], d: int) -> torch.Tensor:
-    """A bucket's gradients laid out to be reduce-scattered: piece 0 of each, then piece 1, ... ([Note: pieces])."""
-    cut = [pieces(g.reshape(-1), d) for g in grads]
-    return torch.cat([c[q] for q in range(d) for c in cut])
-
-
-def handle_shape(reduce: DPReduce, shape: torch.Size) -> tuple[int, ...]:
-    """The shape of a weight's handle: its gradient's, or (scatter) this rank's piece of it."""
-    return (piece_size(math.prod(shape), reduce.size),) if reduce.scatter else tuple(shape)
-
-
-def handle_dtype(reduce: DPReduce, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a weight's handle: its gradient's (main gradient's), or (scatter) the collective's."""
-    if reduce.scatter:
-        return reduce.reduce_dtype or torch.promote_types(dtype, torch.float32)
-    return reduce.main_dtype or dtype
 
 
 class _Bucket(torch.autograd.Function):
@@ -136,26 +95,16 @@ class DPBucket(nn.Module):
         return _Bucket.apply(self.reduce, self.has_acc, *tensors)
 
 
-def buckets_of(gm: GraphModule, keys: list[str], nbytes: dict[str, int], cap: float) -> list[list[str]]:
-    """The weights `keys` (placeholders' keys) of a chunk graph in buckets of about `cap` bytes, in the order their
-    gradients become final: the reverse of their first use forward. A bucket closes at the weight that fills it,
-    as the runtime's do."""
+def grad_order(gm: GraphModule) -> tuple[str, ...]:
+    """The keys of the weights a chunk graph reads, in the order their gradients become final: the reverse of their
+    first use forward (passes/ir/pieces.py buckets cuts it into buckets). A weight nothing reads is not in it."""
     first = {}
     for i, n in enumerate(gm.graph.nodes):
         for a in n.all_input_nodes:
             if a.op == "placeholder":
                 first.setdefault(a, i)
-    wanted = set(keys)
-    order = sorted((p for p in gm.graph.find_nodes(op="placeholder") if p in first and input_of(p).key in wanted),
-                   key=lambda p: -first[p])  # a weight nothing reads gets no gradient: in no bucket
-    out, size = [[]], 0
-    for p in order:
-        out[-1].append(input_of(p).key)
-        size += nbytes[input_of(p).key]
-        if size >= cap:
-            out.append([])
-            size = 0
-    return [b for b in out if b]
+    read = [p for p in gm.graph.find_nodes(op="placeholder") if p in first and input_of(p).kind == PARAMETER]
+    return tuple(input_of(p).key for p in sorted(read, key=lambda p: -first[p]))
 
 
 def with_dp_buckets(gm: GraphModule, buckets: list[list[str]], reduce: DPReduce,

@@ -8,10 +8,11 @@ into the forward and backward programs that run, eagerly or through inductor (Co
 
 [Note: one program per input signature]
     The joint graph is specialized to which inputs need a gradient (a frozen weight, a received activation) and to
-    the inputs' shapes and dtypes: the gradients it computes are those inputs'. A JointProgram therefore keeps one
-    program per signature and traces a new one the first time a call brings another, so a weight frozen after
-    parallelize still gets no gradient and a received activation still gets one. The plan reads the program of the
-    last call (before any call: that of every weight and received activation needing a gradient).
+    the inputs' shapes and dtypes: the gradients it computes are those inputs'. The runtime therefore keeps one
+    program per signature (fxpar/runtime/joint_runner.py) and asks the compiler for a new one (fxpar/programs.py
+    PROGRAM_STAGES) the first time a call brings another, so a weight frozen after parallelize still gets no
+    gradient and a received activation still gets one. The plan reads the program of the last call (before any
+    call: that of every weight and received activation needing a gradient).
 
 Every node of the chunk's graph is tagged (meta["custom"][FXPAR_NODE]) before the export; torch copies the tag onto
 the joint nodes traced from it, backward ones included (by autograd's sequence numbers), which is how
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -35,10 +35,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
 from fxpar.passes.joint.dp_buckets import FXPAR_DP
 from fxpar.passes.joint.overlap import early_collectives, late_waits
-from fxpar.passes.joint.reinplace import in_place_collectives
 from fxpar.passes.tensor_parallel.collectives import functional_collectives
 
-FXPAR_COPY = "fxpar_output_copy"  # meta: a copy _distinct_outputs made ([Note: an output that aliases])
+FXPAR_COPY = "fxpar_output_copy"  # meta: a copy distinct_outputs made ([Note: an output that aliases])
 
 # the passes on each program the partitioner cuts (forward and backward), in order (Config.overlap names them)
 PROGRAM_PASSES = (
@@ -55,92 +54,39 @@ OVERLAP_NAMES = (*(name for name, _ in PROGRAM_PASSES), DP_BUCKETS)
 DEFAULT_OVERLAP = ("early_collectives", "late_waits")
 
 
-@dataclass
-class JointTraced:
-    """One signature's joint program: the joint graph, the forward and backward graphs torch's partitioner cut from
-    it (the programs that run: passes/joint/comm_table.py reads them), and what runs them."""
-
-    joint: GraphModule
-    forward: GraphModule
-    backward: GraphModule
-    run: Callable
+def tag_nodes(gm: GraphModule) -> GraphModule:
+    """Tag every node with its name (meta["custom"][FXPAR_NODE]), which torch copies onto the joint nodes traced
+    from it: how comm_table.py knows which of fxpar's collectives each functional collective implements."""
+    for n in gm.graph.nodes:
+        n.meta["custom"] = {**n.meta.get("custom", {}), FXPAR_NODE: n.name}
+    return gm
 
 
-@dataclass
-class JointProgram:
-    """Runs a chunk graph as its joint forward+backward program; called like the chunk graph itself.
+def export_joint(stack: contextlib.ExitStack, gm: GraphModule, inputs, mode: FakeTensorMode | None, compile: bool):
+    """AOT autograd's joint forward+backward export of `gm` on fake tensors, every collective a c10d functional op;
+    `stack` holds what the export set up until compile_joint has run."""
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = tuple(mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) and
+                  not _is_fake_of(x, mode) else x for x in inputs)
+    with mode, functional_collectives():
+        return aot_export_joint_with_descriptors(stack, gm, fakes, decompositions=_decompositions(compile))
 
-    compile: the forward and backward programs through inductor (Config.compile), else run as traced.
-    min_cut: what backward keeps is torch's min-cut choice on the joint graph, which recomputes the regions that
-    Config.recompute tagged ([Note: recomputation in the joint program] in passes/fusion/recompute.py); else
-    everything backward reads is saved."""
 
-    gm: GraphModule
-    compile: bool = False
-    passes: tuple[str, ...] = ()  # PROGRAM_PASSES, by name, run in their order on each program
-    min_cut: bool = False
-    by_signature: dict = field(default_factory=dict)
-    last: tuple | None = None
+def compile_joint(exported, min_cut: bool, fw_compiler: Callable, bw_compiler: Callable) -> Callable:
+    """Torch's partitioner cuts the exported joint graph into the forward and backward programs and hands each to
+    its compiler; returns what runs them. min_cut: what backward keeps is torch's min-cut choice on the joint
+    graph, which recomputes the regions that Config.recompute tagged ([Note: recomputation in the joint program] in
+    passes/fusion/recompute.py); else everything backward reads is saved."""
+    return aot_compile_joint_with_descriptors(
+        exported, partition_fn=min_cut_rematerialization_partition if min_cut else default_partition,
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler)
 
-    def __call__(self, *inputs):
-        key = _signature(inputs)
-        traced = self.by_signature.get(key)
-        if traced is None:
-            traced = self.by_signature[key] = self._export(inputs)
-        self.last = key
-        return traced.run(*inputs)
 
-    @property
-    def traced(self) -> JointTraced:
-        """The joint program of the last call's signature; before any call, that of the expected one."""
-        if self.last is None:
-            self.last = self._expected()
-        return self.by_signature[self.last]
-
-    def _expected(self) -> tuple:
-        """The signature of a training call: every weight and every received floating activation needs a gradient
-        (the runtime's received values: fxpar/runtime/interpreter.py)."""
-        mode = FakeTensorMode()
-        with mode:
-            inputs = [_like(n.meta["val"], _needs_grad(n)) if isinstance(n.meta["val"], torch.Tensor)
-                      else n.meta["val"] for n in self.gm.graph.find_nodes(op="placeholder")]
-        key = _signature(inputs)
-        if key not in self.by_signature:
-            self.by_signature[key] = self._export(inputs, mode)
-        return key
-
-    def _export(self, inputs, mode: FakeTensorMode | None = None) -> JointTraced:
-        _distinct_outputs(self.gm)
-        for n in self.gm.graph.nodes:
-            n.meta["custom"] = {**n.meta.get("custom", {}), FXPAR_NODE: n.name}
-        mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = tuple(mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) and
-                      not _is_fake_of(x, mode) else x for x in inputs)
-        graphs = {}
-
-        def keeping(half: str, compiler):  # the programs the partitioner cut, after the passes, to the compiler
-            def compile_half(gm, example_inputs):
-                # the partitioner leaves forward GEMMs it copied into backward for nothing: 2 per layer
-                if gm.graph.eliminate_dead_code():
-                    gm.recompile()
-                if not self.compile:  # inductor reinplaces on its own
-                    in_place_collectives(gm)
-                for name, program_pass in PROGRAM_PASSES:
-                    if name in self.passes:
-                        gm = program_pass(gm)
-                graphs[half] = gm
-                return compiler(gm, example_inputs)
-            return compile_half
-
-        compiler = _inductor() if self.compile else _as_traced
-        with TRACING, contextlib.ExitStack() as stack:
-            with mode, functional_collectives():
-                jd = aot_export_joint_with_descriptors(stack, self.gm, fakes,
-                                                       decompositions=_decompositions(self.compile))
-            run = aot_compile_joint_with_descriptors(
-                jd, partition_fn=min_cut_rematerialization_partition if self.min_cut else default_partition,
-                fw_compiler=keeping("forward", compiler), bw_compiler=keeping("backward", compiler))
-        return JointTraced(jd.graph_module, graphs["forward"], graphs.get("backward", _EMPTY), run)
+def dead_code(gm: GraphModule) -> GraphModule:
+    """The partitioner leaves forward GEMMs it copied into backward for nothing: 2 per layer."""
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
+    return gm
 
 
 # AOT autograd's tracing state (functionalization levels, torch.fx.traceback's current node) is per process: ranks
@@ -164,7 +110,7 @@ def check_joint(gm: GraphModule) -> None:
                 "dropout is removed and joint_graph works).")
 
 
-def _distinct_outputs(gm: GraphModule) -> None:
+def distinct_outputs(gm: GraphModule) -> GraphModule:
     """Copy each output of the chunk graph that is a view, or shares memory with an input or another output.
 
     [Note: an output that aliases]
@@ -194,11 +140,15 @@ def _distinct_outputs(gm: GraphModule) -> None:
     output.args = torch.fx.node.map_arg(output.args, distinct)
     if changed:
         gm.recompile()
+    return gm
 
 
-def _signature(inputs) -> tuple:
-    return tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else None
-                 for x in inputs)
+def expected_inputs(gm: GraphModule, mode: FakeTensorMode) -> list:
+    """Fake inputs of a training call of `gm` in `mode`: every weight and every received floating activation needs a
+    gradient (the runtime's received values: fxpar/runtime/interpreter.py)."""
+    with mode:
+        return [_like(n.meta["val"], _needs_grad(n)) if isinstance(n.meta["val"], torch.Tensor) else n.meta["val"]
+                for n in gm.graph.find_nodes(op="placeholder")]
 
 
 def _needs_grad(placeholder) -> bool:
@@ -217,7 +167,7 @@ def _is_fake_of(x: torch.Tensor, mode: FakeTensorMode) -> bool:
     return getattr(x, "fake_mode", None) is mode
 
 
-def _as_traced(gm: GraphModule, example_inputs):
+def as_traced(gm: GraphModule, example_inputs):
     """Run a program as traced: its generated code (not an fx.Interpreter, which would set torch.fx.traceback's
     process-wide current node on every op)."""
     return make_boxed_func(gm.forward)
@@ -232,10 +182,10 @@ def _decompositions(compile: bool) -> dict | None:
     return select_decomp_table()
 
 
-def _inductor():
+def inductor():
     from torch._inductor.compile_fx import compile_fx_inner
 
     return compile_fx_inner
 
 
-_EMPTY = GraphModule(torch.nn.Module(), torch.fx.Graph())  # the backward of a program nothing differentiates
+EMPTY = GraphModule(torch.nn.Module(), torch.fx.Graph())  # the backward of a program nothing differentiates

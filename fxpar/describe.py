@@ -1,0 +1,25 @@
+"""pm.plan: what the compiler decided for one rank, with what the rank holds and the joint programs it ran.
+
+The executable (fxpar/runtime/) hands over what only it knows (the weights it holds, the joint programs of the
+signatures it ran); everything else is the compiler's record. The plan's tables are made in passes/sharding/plan.py
+and, for the joint programs' collectives, passes/joint/comm_table.py.
+"""
+from __future__ import annotations
+
+from fxpar.compiler import Compiled
+from fxpar.cost.cluster import get_cluster
+from fxpar.passes.joint.comm_table import program_comm
+from fxpar.passes.sharding.plan import Plan, WeightShard, make_plan
+
+ESTIMATE_ON = "h100"  # the cluster whose rates the plan estimates each layer's exposed communication with
+
+
+def plan_of(program: Compiled, shards: list[WeightShard], joint: list, dp: list, d: int) -> Plan:
+    """The plan of `program` on a rank holding `shards`. joint: (chunk graph, joint program) of the rank's chunks
+    (fxpar/programs.py ProgramRecord); dp: the joint programs of its chunks' last microbatches that reduce the
+    gradients over the d dp ranks."""
+    partition = program.partition if program.target.pipelined else None
+    table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp, d) if joint else ()
+    return make_plan(program.analysis, shards, partition, program.target.pp, program.traced.loss_note,
+                     program.tp_graph, tuple(program.sequence.lines()), table, ESTIMATE_ON,
+                     program.normalization.line() if program.normalization else "")
