@@ -7,7 +7,7 @@
 
     fxpar eager      fxpar.parallelize(model, init_mesh(tp=1), loss_fn, Config(mixed_precision=MixedPrecision()))
                      (bf16 parameters and GEMMs, fp32 main parameters in pm.optimizer(AdamW))
-    fxpar compile    the same with Config(compile=True)
+    fxpar compile    the same with Config(compile=True, joint_graph=False): torch.compile of each chunk
     fxpar joint      the same with Config(joint_graph=True): the joint forward+backward program (passes/joint/)
     fxpar joint compile   the joint programs through inductor, Config(joint_graph=True, compile=True)
     torch eager      the unmodified model under torch.autocast(bfloat16), fp32 parameters, AdamW

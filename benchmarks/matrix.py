@@ -5,12 +5,14 @@ paired per-round ratios, into one table and one plot.
     GPT (sdpa), t=2               tp_step.py        fxpar                  hand-written Megatron layer, DTensor
     GPT (explicit attention), t=2 tp_step.py        fxpar                  hand-written Megatron layer, DTensor
     Llama (GQA, SwiGLU), t=2      llama_step.py     fxpar                  DTensor with Hugging Face's own plan
-    GPT, p=2, m=4                 pp_step.py        fxpar 1f1b             torch.distributed.pipelining 1F1B
+    GPT, p=2, m=4 and m=8         pp_step.py        fxpar 1f1b             torch.distributed.pipelining 1F1B
                                                     fxpar interleaved      torch's interleaved 1F1B (v=2)
     GPT, p=2 x t=2, m=4           hybrid_step.py    fxpar                  torch's pipelining over DTensor stages
                                   (4 ranks)
-    GPT, t=2, compile             compile_step.py   fxpar compile,         fxpar eager (and torch.compile against
-                                                    fxpar joint compile    torch eager, the gain to match)
+    GPT, t=2, compile             compile_step.py   fxpar compile (joint   fxpar eager (and torch.compile against
+                                                    programs), fxpar       torch eager, the gain to match)
+                                                    torch.compile
+    GPT, t=2, compile, dropout    compile_step.py   the same with dropout 0.1 (fxpar compile: torch.compile per chunk)
     GPT, p=2, compile             compile_step.py   the same, fxpar at p=2 (1F1B, m=4)
 
 Each script runs its own ranks (2 gloo ranks, 1 thread each), checks every variant against the unmodified model
@@ -34,16 +36,18 @@ else:
 
 BEGIN, END = "<!-- bench-matrix:begin (make bench writes this) -->", "<!-- bench-matrix:end -->"
 _TP_PEERS = (("fxpar", "hand-written"), ("fxpar", "DTensor"))
-_COMPILE_PEERS = (("fxpar compile", "fxpar eager"), ("fxpar joint compile", "fxpar eager"),
+_COMPILE_PEERS = (("fxpar compile", "fxpar eager"), ("fxpar torch.compile", "fxpar eager"),
                   ("torch.compile", "torch eager"))
+_PP_PEERS = (("fxpar 1f1b", "torch 1f1b"), ("fxpar interleaved", "torch interleaved"))
 CASES = (  # (case, benchmark module, its arguments, (variant, peer) pairs)
     ("GPT (sdpa), t=2", "tp_step", [], _TP_PEERS),
     ("GPT (explicit attention), t=2", "tp_step", ["--attention", "explicit"], _TP_PEERS),
     ("Llama (GQA, SwiGLU), t=2", "llama_step", [], (("fxpar", "DTensor"),)),
-    ("GPT, p=2, m=4", "pp_step", ["--microbatches", "4"],
-     (("fxpar 1f1b", "torch 1f1b"), ("fxpar interleaved", "torch interleaved"))),
+    ("GPT, p=2, m=4", "pp_step", ["--microbatches", "4"], _PP_PEERS),
+    ("GPT, p=2, m=8", "pp_step", ["--microbatches", "8"], _PP_PEERS),
     ("GPT, p=2 x t=2, m=4", "hybrid_step", [], (("fxpar", "torch pp + DTensor"),)),
     ("GPT, t=2, compile", "compile_step", [], _COMPILE_PEERS),
+    ("GPT, t=2, compile, dropout 0.1", "compile_step", ["--dropout", "0.1"], _COMPILE_PEERS),
     ("GPT, p=2, compile", "compile_step", ["--pp"], _COMPILE_PEERS),
 )
 

@@ -42,14 +42,14 @@ from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shape
 from fxpar.passes.pipeline.lower import Program, lower_program
 from fxpar.passes.tensor_parallel.merge_comm import merge_comm_pass
 from fxpar.passes.ir.meta import (BUFFER, FXPAR_ASSUMES, FXPAR_INPUT, PARAMETER, STATE_KINDS, GraphInput, input_of,
-                                  param_nodes, placeholders)
+                                  module_path, param_nodes, placeholders)
 from fxpar.passes.tensor_parallel.collectives import TPComm
 from fxpar.passes.pipeline.partition import Partition, partition_pass, whole_graph
 from fxpar.passes.ir.placements import Shard
 from fxpar.passes.pipeline.proofs import prove
 from fxpar.passes.tensor_parallel.in_place import in_place_pass
 from fxpar.passes.fusion.recompute import recompute_pass
-from fxpar.passes.tensor_parallel.rng import RandomStreams, random_streams_pass
+from fxpar.passes.tensor_parallel.rng import RandomStreams, draws, random_streams_pass
 from fxpar.passes.pipeline.schedules import build_schedule
 from fxpar.passes.pipeline.simulate import SimResult
 from fxpar.passes.tensor_parallel.rewrite import tensor_parallel_pass
@@ -78,6 +78,14 @@ class Target:
             self.streams = RandomStreams(0, self.comm.rank)
 
 
+@dataclass(frozen=True)
+class JointChoice:
+    """Whether the chunks run as their joint programs (Config.joint_graph; with compile, where it applies), and why."""
+
+    on: bool
+    why: str = ""  # the plan's line (empty: the user chose)
+
+
 @dataclass
 class Compiled:
     """Everything the compiler made for one rank, product by product (see STAGES)."""
@@ -91,6 +99,7 @@ class Compiled:
     traced: Traced | None = None  # trace: the unmodified program, the reference
     normalization: LossNormalization | None = None  # how step() weights the microbatch losses (a traced loss only)
     gm: GraphModule | None = None  # the working graph, as the graph passes leave it
+    aliases: dict[str, str] | None = None  # every parameter and buffer key -> the key its tensor is registered under
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
     sequence: SequenceAnalysis | None = None  # sequence_analysis: what runs on sequence blocks between regions
     tp_graph: GraphModule | None = None  # keep_tp_graph: the graph right after tensor parallelism (for verify)
@@ -101,6 +110,7 @@ class Compiled:
     callables: dict[int, Callable | JointRequest] | None = None  # chunk index -> what runs it, or its joint program
     buffers: dict | None = None  # buffer values the fusion may rely on (default: the model's)
     state_values: dict | None = None  # GraphInput -> the buffer or constant value a fusion may prove things from
+    joint: JointChoice | None = None  # joint: whether the chunks run as their joint programs
     assumed: dict[GraphInput, torch.Tensor] = field(default_factory=dict)  # values a rewrite relied on (fusions)
     expected_state: dict | None = None  # chunk index -> key -> the fake value each weight was traced with
     done: list[str] = field(default_factory=list)
@@ -148,7 +158,7 @@ def _working_copy(c: Compiled) -> GraphModule:
 
 
 def _merge_aliases(c: Compiled) -> GraphModule:
-    return merge_aliases_pass(c.gm, canonical_keys(c.model))
+    return merge_aliases_pass(c.gm, c.aliases)
 
 
 def canonical_keys(model: nn.Module) -> dict[str, str]:
@@ -235,11 +245,26 @@ def _attention_to_sdpa(c: Compiled) -> GraphModule:
     return attention_to_sdpa_pass(c.gm, c.state_values) if c.config.fuse else c.gm
 
 
+def _joint(c: Compiled) -> JointChoice:
+    """Config.joint_graph as given; None: the joint programs with compile, unless a random op draws on fxpar's
+    streams (dropout in training: passes/joint/export.py check_joint), where each chunk goes through torch.compile."""
+    asked = c.config.joint_graph
+    if asked is not None or not c.config.compile:
+        return JointChoice(bool(asked))
+    drawn = next((n for n in c.gm.graph.nodes if draws(n)), None)
+    if drawn is None:
+        return JointChoice(True, "compile: each chunk's joint forward+backward program through inductor "
+                                 "(Config(joint_graph=False): torch.compile of each chunk instead)")
+    return JointChoice(False, f"compile: torch.compile of each chunk, not its joint program: node {drawn.name} "
+                              f"({module_path(drawn) or 'the root module'}) draws a dropout mask in training, which "
+                              "a joint program cannot take from fxpar's random streams yet")
+
+
 def _gelu(c: Compiled) -> GraphModule:
     """GeLU written out -> aten.gelu; with Config(recompute="selective") bias+GeLU recomputed in backward."""
     if not c.config.fuse:
         return c.gm
-    recompute = c.config.recompute == "selective" and not c.config.joint_graph  # joint: the recompute tags it
+    recompute = c.config.recompute == "selective" and not c.joint.on  # joint: the recompute tags it
     return bias_gelu_pass(c.gm) if recompute else gelu_pass(c.gm)
 
 
@@ -259,7 +284,7 @@ def _random_streams(c: Compiled) -> GraphModule:
 
 def _recompute(c: Compiled) -> GraphModule:
     # the joint program's partitioner recomputes tagged regions ([Note: recomputation in the joint program])
-    return recompute_pass(c.gm, c.config.recompute, tag=c.config.joint_graph)
+    return recompute_pass(c.gm, c.config.recompute, tag=c.joint.on)
 
 
 def _in_place(c: Compiled) -> GraphModule:
@@ -289,7 +314,7 @@ def _prove(c: Compiled) -> SimResult | None:
 
 
 def _compile(c: Compiled) -> dict[int, Callable]:
-    if c.config.joint_graph:  # made at the first call of each input signature (fxpar/programs.py)
+    if c.joint.on:  # made at the first call of each input signature (fxpar/programs.py)
         for chunk in c.partition.chunks:
             check_joint(chunk.gm)
         overlap = DEFAULT_OVERLAP if c.config.overlap is None else c.config.overlap
@@ -324,6 +349,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
     ("normalization", "normalization", _normalization),  # a token-mean loss: what counts its valid targets
     ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
+    ("aliases", "aliases", lambda c: canonical_keys(c.model)),  # every state key -> the first key of its tensor
     ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
     ("context_regions", "gm", lambda c: inline_context_pass(c.gm)),  # autocast, no_grad bodies as ops
     ("drop_asserts", "gm", lambda c: drop_metadata_asserts_pass(c.gm)),  # metadata-only asserts
@@ -346,6 +372,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)
     ("identity_dropout", "gm", _fusion(identity_dropout_pass)),  # a dropout that is an identity removed
     ("bias_dropout_add", "gm", _fusion(bias_dropout_add_pass)),  # bias + dropout + residual add, one op
+    ("joint", "joint", _joint),  # the joint programs (Config.joint_graph; none: with compile, where they apply)
     ("gelu", "gm", _gelu),  # GeLU written out -> aten.gelu (recompute="selective": bias+GeLU recomputed)
     ("assumed", "assumed", _assumed),  # the values the fusions relied on, checked before each call
     ("gathered_gemms", "gm", _gathered_gemms),  # an all-gather and the GEMMs it feeds, one op saving the block

@@ -35,8 +35,10 @@ class Config:
     recompute: str = _option("none", f"{', '.join(RECOMPUTE_MODES)}; selective: attention cores and bias+GeLU "
                                      "recomputed in backward, full: whole layers")
     compile: bool = _option(False, "torch.compile each chunk")
-    joint_graph: bool = _option(False, "each chunk runs as its joint forward+backward program, every collective a "
-                                       "graph node (passes/joint/)")
+    joint_graph: bool | None = _option(
+        None, "each chunk runs as its joint forward+backward program, every collective a graph node (passes/joint/); "
+              "none: with compile wherever it applies (not yet with dropout in training; the plan says which), "
+              "else off")
     overlap: tuple[str, ...] | None = _option(
         None, "with joint_graph: the overlap passes by name (passes/joint/export.py OVERLAP_NAMES: early_collectives "
               "and late_waits on each program, dp_buckets: the dp reduction in the backward program); none: the "
@@ -67,9 +69,12 @@ class Config:
             raise ValueError(f"Config.scatter_gather must be True, False or 'auto', got {self.scatter_gather!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Config.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
-        for flag in ("fuse", "sequence_parallel", "compile", "joint_graph"):
+        for flag in ("fuse", "sequence_parallel", "compile"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Config.{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.joint_graph is not None and not isinstance(self.joint_graph, bool):
+            raise ValueError(f"Config.joint_graph must be True, False or None (with compile, where it applies), got "
+                             f"{self.joint_graph!r}")
         for folder in ("trace_dir", "dump_dir"):
             if getattr(self, folder) is not None and not isinstance(getattr(self, folder), (str, os.PathLike)):
                 raise ValueError(f"Config.{folder} must be a folder path (str) or None, got {getattr(self, folder)!r}")
@@ -79,7 +84,7 @@ class Config:
         if self.overlap is not None and (not isinstance(self.overlap, tuple) or not set(self.overlap) <= set(known)):
             raise ValueError(f"Config.overlap must be None or a tuple of pass names from {known}, got "
                              f"{self.overlap!r}")
-        if self.overlap and not self.joint_graph:
+        if self.overlap and not (self.joint_graph or (self.joint_graph is None and self.compile)):
             raise ValueError(f"Config.overlap={self.overlap} reorders the joint programs: it needs joint_graph=True")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise ValueError(f"Config.bucket_mb must be a number > 0 (megabytes), got {self.bucket_mb!r}")

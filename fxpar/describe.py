@@ -22,4 +22,4 @@ def plan_of(program: Compiled, shards: list[WeightShard], joint: list, dp: list,
     table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp, d) if joint else ()
     return make_plan(program.analysis, shards, partition, program.target.pp, program.traced.loss_note,
                      program.tp_graph, tuple(program.sequence.lines()), table, ESTIMATE_ON,
-                     program.normalization.line() if program.normalization else "")
+                     program.normalization.line() if program.normalization else "", program.joint.why)

@@ -172,7 +172,8 @@ def compile_program(chunk_gm: GraphModule, request: JointRequest, inputs, config
     with TRACING, contextlib.ExitStack() as stack:
         r.stack = stack
         run_stages(r, PROGRAM_STAGES)
-    r.stack = None
+    # what only the stages needed: the call's inputs (activations, weights), the export and its fake mode
+    r.stack = r.inputs = r.exported = r.mode = None
     return r
 
 

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import getpass
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -46,10 +45,9 @@ def pytest_sessionfinish(session, exitstatus):
 def _no_leftover_processes(request):
     """Torn down after the module's own fixtures (it is set up first), so its pools are closed by then."""
     yield
-    from tests.harness import shared_pids
+    from tests.harness import leftover_children
 
-    shared = shared_pids()
-    leftover = [p for p in multiprocessing.active_children() if p.pid not in shared]
+    leftover = leftover_children()
     for proc in leftover:
         proc.kill()
         proc.join()

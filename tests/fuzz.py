@@ -157,14 +157,15 @@ def _chained(pm, args, kwargs):
 
 
 def _tracing():
-    """With --joint-graph: hold the joint export's lock, so that this rank's compiler passes do not run while another
-    rank, a thread of this process, traces a joint program (passes/joint/export.py TRACING). It is held over
-    compilation only, which runs no collective."""
+    """With joint programs (--joint-graph, or compile=true): hold the joint export's lock, so that this rank's
+    compiler passes do not run while another rank, a thread of this process, traces a joint program
+    (passes/joint/export.py TRACING). It is held over compilation only, which runs no collective."""
     import contextlib
 
     from fxpar.passes.joint.export import TRACING
 
-    return TRACING if OPTIONS.get("joint_graph") else contextlib.nullcontext()
+    joint = OPTIONS.get("joint_graph") or (OPTIONS.get("joint_graph") is None and OPTIONS.get("compile"))
+    return TRACING if joint else contextlib.nullcontext()
 
 
 def _refusal(e: Exception) -> str | None:

@@ -105,6 +105,12 @@ def shared_pids() -> set[int]:
     return {pid for pool in _SHARED.values() for pid in pool.pids}
 
 
+def leftover_children() -> list:
+    """This process's live children, less the session's shared pools' ranks."""
+    shared = shared_pids()
+    return [p for p in multiprocessing.active_children() if p.pid not in shared]
+
+
 def close_shared_pools() -> None:
     for pool in _SHARED.values():
         pool.close()

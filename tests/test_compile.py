@@ -1,7 +1,7 @@
-"""Config(compile=True): each chunk's graph through torch.compile (inductor), exact against the unmodified model
-over gloo, collectives included, and seen whole: dynamo traces f, g and the gathers as the c10d functional ops
-(their backward too), with no graph break, at t=2 with sequence parallelism and at (p, t) = (2, 2). The rank timeout
-bounds the compile time."""
+"""Config(compile=True, joint_graph=False): each chunk's graph through torch.compile (inductor), exact against the
+unmodified model over gloo, collectives included, and seen whole: dynamo traces f, g and the gathers as the c10d
+functional ops (their backward too), with no graph break, at t=2 with sequence parallelism and at (p, t) = (2, 2).
+The rank timeout bounds the compile time. compile=True alone takes the joint programs (tests/test_joint_graph.py)."""
 import copy
 
 import pytest
@@ -33,7 +33,8 @@ def _tensor_parallel_gaps(sequence_parallel: bool):
     model, args, kwargs = models.build("gpt")
     reference = copy.deepcopy(model)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
-                           config=fxpar.Config(compile=True, sequence_parallel=sequence_parallel))
+                           config=fxpar.Config(compile=True, joint_graph=False,
+                                               sequence_parallel=sequence_parallel))
     compiled = [type(c).__name__ for c in pm.compiled.callables.values()]
     share = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
     return (*sgd_gaps(pm, reference, args, kwargs), share, compiled, _graph_breaks(),
@@ -73,7 +74,7 @@ def _pipeline_gaps(steps: int = 2) -> tuple[float, float, int]:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
 
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2, pp=2), example_args=(ids[:2],), loss_fn=loss_fn,
-                           config=fxpar.Config(microbatches=4, schedule="1f1b", compile=True))
+                           config=fxpar.Config(microbatches=4, schedule="1f1b", compile=True, joint_graph=False))
     return (*step_gaps(pm, reference, ids, target, loss_fn, steps), _graph_breaks())
 
 

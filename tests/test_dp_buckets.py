@@ -223,3 +223,19 @@ def _mixed(zero: int, reduce: str):
 def test_bf16_main_gradients_equal_the_default_executables(pool2, zero, reduce):
     for gap in pool2.run(_mixed, zero, reduce):
         assert gap == 0.0, gap
+
+
+@pytest.mark.parametrize("schedule, p, m, v, expected", [
+    ("1f1b", 2, 4, 1, {0: {0}, 1: {1}}),  # past the warm-up each stage has run a backward before its last forward
+    ("1f1b", 4, 2, 1, {0: set(), 1: set(), 2: set(), 3: {3}}),  # m <= the warm-up + 1: those stages fill
+    ("gpipe", 2, 4, 1, {0: set(), 1: set()}),  # every forward first: always filled
+    ("interleaved-1f1b", 2, 4, 2, {0: {2}, 1: {1, 3}})])
+def test_which_chunks_hold_their_gradients_before_their_last_forward(schedule, p, m, v, expected):
+    """GradBuckets.start fills a zero gradient only where no backward of the chunk runs before its last
+    microbatch's forward ([Note: dp buckets in the program]); the lowered schedule says where, once."""
+    from fxpar.passes.pipeline.lower import lower_program
+    from fxpar.passes.pipeline.schedules import build_schedule
+    from fxpar.runtime.interpreter import warm
+
+    program = lower_program(build_schedule(schedule, p, m, v), p, v, m)
+    assert {r: warm(program.actions[r], m) for r in range(p)} == expected

@@ -6,7 +6,6 @@ shared ``pool2`` serves most tests; the ones that need other settings open their
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, RankPool, module_pool, rank, shared_pids, world_size
+from tests.harness import RankFailure, RankPool, leftover_children, module_pool, rank, world_size
 
 pytestmark = [pytest.mark.gloo]
 
@@ -113,7 +112,7 @@ def test_rank_that_exits_is_reported_at_once(pool2):  # keep last of pool2's run
 def test_close_leaves_no_processes_and_ends_the_pool(pool2):
     pool2.close()  # after the previous test killed its ranks; clean closes are in the tests below
     pool2.close()
-    assert _children() == []
+    assert leftover_children() == []
     with pytest.raises(RuntimeError, match="after close"):
         pool2.run(rank_and_args, 0, scale=0)
 
@@ -146,15 +145,10 @@ def test_world_size_4():
     with RankPool(4) as pool:
         assert pool.run(all_gather_ranks) == [[0, 1, 2, 3]] * 4
         assert len(set(pool.pids)) == 4
-    assert _children() == []  # a clean close: stop sentinel, leave the group, exit
+    assert leftover_children() == []  # a clean close: stop sentinel, leave the group, exit
 
 
 @pytest.mark.parametrize("bad", [{"world_size": 0}, {"world_size": 2, "timeout_s": 0}])
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError, match="RankPool"):
         RankPool(**bad)
-
-
-def _children() -> list:
-    """This process's live children, less the session's shared pools (tests/harness.py shared_pool)."""
-    return [p for p in multiprocessing.active_children() if p.pid not in shared_pids()]

@@ -58,7 +58,7 @@ outside the layers  1 all_reduce, 1 all_gather  1 all_reduce                    
 
 
 def test_joint_graph_must_be_a_bool():
-    with pytest.raises(ValueError, match="joint_graph must be True or False"):
+    with pytest.raises(ValueError, match="joint_graph must be True, False or None"):
         Config(joint_graph="yes")
 
 

@@ -129,8 +129,9 @@ def test_joint_programs_train_exactly_and_count_what_runs(pool4, mesh, config):
 
 
 def _variant(name: str):
-    """t=2 variants of the joint programs: compiled with inductor and both overlap passes, selective recompute, a
-    weight frozen after parallelize (its own program: no gradient), and eval under no_grad."""
+    """t=2 variants of the joint programs: compiled with inductor and both overlap passes (compile=True alone: the
+    joint programs are its default), selective recompute, a weight frozen after parallelize (its own program: no
+    gradient), and eval under no_grad."""
     import fxpar
 
     model, args, kwargs = models.build("gpt")
@@ -138,7 +139,8 @@ def _variant(name: str):
               "selective": {"recompute": "selective"}, "frozen": {}, "no_grad": {}}[name]
     reference = copy.deepcopy(model)
     pm = fxpar.parallelize(model, fxpar.init_mesh(tp=2), example_args=args, example_kwargs=kwargs,
-                           config=fxpar.Config(joint_graph=True, **config))
+                           config=fxpar.Config(**({} if name == "compiled" else {"joint_graph": True}), **config))
+    assert pm.compiled.joint.on and ("joint forward+backward program" in str(pm.plan)) == (name == "compiled")
     if name == "no_grad":
         pm.eval(), reference.eval()
         with torch.no_grad():

@@ -101,3 +101,35 @@ def test_dump_dir_holds_each_program_stage(tmp_path):
     # the compiler's own stages sit beside the programs, as before
     assert (tmp_path / "rank0" / "00_working_copy.py").exists() or any(
         n.endswith("_working_copy.py") for n in os.listdir(tmp_path / "rank0"))
+
+
+class _Dropping(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.up, self.drop, self.down = nn.Linear(8, 32), nn.Dropout(p), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("p, training, joint_graph, on", [
+    (0.0, True, None, True), (0.1, False, None, True),  # nothing draws: compile takes the joint programs
+    (0.1, True, None, False),  # dropout in training: torch.compile of each chunk, and the plan says why
+    (0.0, True, False, False)])  # asked off
+def test_compile_takes_the_joint_programs_where_they_apply(p, training, joint_graph, on):
+    model = _Dropping(p).train(training)
+    c = compile_model(model, (torch.randn(2, 3, 8),), {}, Target(TPComm(0, 2)),
+                      Config(compile=True, joint_graph=joint_graph))
+    assert c.joint.on == on
+    assert all(isinstance(made, JointRequest) == on for made in c.callables.values())
+    if joint_graph is None:
+        assert ("joint forward+backward program" if on else "draws a dropout mask in training") in c.joint.why
+    if joint_graph is None and not on:
+        assert "node " in c.joint.why and "(drop)" in c.joint.why, c.joint.why
+    if joint_graph is False:
+        assert c.joint.why == ""
+
+
+def test_joint_graph_none_without_compile_is_off():
+    c = compile_model(_Dropping(0.0), (torch.randn(2, 3, 8),), {}, Target(TPComm(0, 2)), Config())
+    assert not c.joint.on and c.joint.why == "" and not isinstance(c.callables[0], JointRequest)

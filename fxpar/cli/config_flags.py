@@ -91,7 +91,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, owned=(), only=None, au
             continue
         names, kinds = (flag(f.name), *ALIASES.get(f.name, ())), _kinds(f.name)
         help = f"{f.metadata['help']} (default {_shown(defaults.get(f.name, f.default))})".replace("%", "%%")
-        if kinds == (bool,) and f.name not in auto:
+        if bool in kinds and set(kinds) <= {bool, type(None)} and f.name not in auto:  # none: unset
             group.add_argument(*names, dest=PREFIX + f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help)
             continue

@@ -177,7 +177,7 @@ def run(args) -> int:
               f"deadlock-free:\n{format_program(compiled.program)}")
     else:
         print(render(compiled.partition.chunks[0].gm, args.format, where, pm.plan))
-    if config.joint_graph:
+    if compiled.joint.on:
         for chunk in compiled.partition.chunks if args.chunk is None else [compiled.partition.chunks[args.chunk]]:
             traced = pm.rank.programs.runner(compiled, chunk.index).record
             for half, program in (("forward", traced.forward), ("backward", traced.backward)):

@@ -69,13 +69,16 @@ class GradBuckets:
         self.left, self.bucket, self.size, self.launched = dict(self.uses), [], 0, []
         self.handles, self.filled = [], set()
 
-    def start(self, m: int) -> None:
+    def start(self, m: int, warm=frozenset()) -> None:
         """Before the step's first backward, over m > 1 microbatches: every weight reduced in a program gets a
         gradient to accumulate into, so the one its last microbatch's program reads is the whole step's ([Note: dp
-        buckets in the program])."""
+        buckets in the program]). The chunks in `warm` run a backward before their last microbatch's forward (1F1B
+        past its warm-up): autograd has made their weights' gradients by then, and nothing is filled."""
         if m == 1:
             return
-        for cb in self.programs.values():
+        for chunk, cb in self.programs.items():
+            if chunk in warm:
+                continue
             for p in cb.params.values():
                 if self.grads.get(p) is None:
                     self.grads.set(p, torch.zeros(p.shape, dtype=cb.reduce.main_dtype or p.dtype, device=p.device))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpar.runtime.clip import clip_grad_norm_
-from fxpar.compiler import Compiled, canonical_keys
+from fxpar.compiler import Compiled
 from fxpar.programs import JointRequest
 from fxpar.guard import preserve_global_state
 from fxpar.mesh import Groups
@@ -79,7 +79,7 @@ class ParallelModule(nn.Module):
                               {} if mesh is None else {"tp": mesh.tp_group, "dp": mesh.dp_group})
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
-        aliases = canonical_keys(model)  # every original key -> the key its tensor is registered under
+        aliases = compiled.aliases  # every original key -> the key its tensor is registered under
         keys = tensor_keys(model)  # persistent keys, in the model's order ([Note: state-dict hooks])
         self.rank.spelling = model if has_state_hooks(model) else None
         specs = {aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard

@@ -122,7 +122,7 @@ class Runtime:
         self.saved, self.grads_in, self.handoff = {}, {}, {}
         # float64 on every stage, whatever the model's dtype: the stages all-reduce it, and only the last adds to it
         self.loss = torch.zeros((), dtype=torch.float64, device=self.g.device)
-        self.buckets.start(self.m)
+        self.buckets.start(self.m, warm(self.actions, self.m))
         for a in self.actions:
             start = time.perf_counter()
             self.handlers[a.kind](a)
@@ -191,6 +191,18 @@ class Runtime:
         else:
             values = [v for v in self.stage.chunks[a.chunk].boundary_out if v.differentiable]
         self.p2p.post(a, values)
+
+
+def warm(actions, m: int) -> set[int]:
+    """The chunks whose first backward runs before their last microbatch's forward in `actions` (one rank's): their
+    weights hold this step's gradient by then."""
+    out, last_forward_seen = set(), set()
+    for a in actions:
+        if a.kind == F and a.microbatch == m - 1:
+            last_forward_seen.add(a.chunk)
+        elif a.kind == B and a.chunk not in last_forward_seen:
+            out.add(a.chunk)
+    return out
 
 
 def write_chrome_trace(path: str, stats: Stats, rank: int) -> None:

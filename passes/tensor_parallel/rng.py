@@ -96,7 +96,7 @@ class ForkedRandom(nn.Module):
             return self.op(*args, **kwargs)
 
 
-def _draws(n: Node) -> bool:
+def draws(n: Node) -> bool:
     """A call that draws random numbers, unless its arguments say it cannot (p = 0, or not training)."""
     if n.op != "call_function":
         return False
@@ -125,7 +125,7 @@ def random_streams_pass(gm: GraphModule, streams: RandomStreams) -> GraphModule:
     Safe: the op, its arguments and its outputs are unchanged; only the generator state it draws from is chosen."""
     changed = 0
     for n in list(gm.graph.nodes):
-        if not _draws(n):
+        if not draws(n):
             continue
         stream = _stream_of(n)
         name = f"rng_{changed}"
