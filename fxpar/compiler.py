@@ -37,6 +37,7 @@ from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
 from fxpar.passes.joint.dp_buckets import grad_order
 from fxpar.passes.joint.export import DEFAULT_OVERLAP, check_joint
+from fxpar.passes.joint.random_inputs import dropout_input
 from fxpar.passes.tensor_parallel.local_shapes import (input_device, local_shapes_pass, meta_state_device,
                                                        place_meta_state_pass)
 from fxpar.passes.pipeline.lower import Program, lower_program
@@ -242,22 +243,25 @@ def _fusion(pass_fn: Callable[[GraphModule], GraphModule]) -> Callable[[Compiled
 
 
 def _attention_to_sdpa(c: Compiled) -> GraphModule:
-    return attention_to_sdpa_pass(c.gm, c.state_values) if c.config.fuse else c.gm
+    return attention_to_sdpa_pass(c.gm, c.state_values, dropout=not c.joint.on) if c.config.fuse else c.gm
 
 
 def _joint(c: Compiled) -> JointChoice:
-    """Config.joint_graph as given; None: the joint programs with compile, unless a random op draws on fxpar's
-    streams (dropout in training: passes/joint/export.py check_joint), where each chunk goes through torch.compile."""
+    """Config.joint_graph as given; None: the joint programs with compile, unless a random op draws that a joint
+    program cannot take as an input (all but a CPU dropout: passes/joint/export.py check_joint), where each chunk
+    goes through torch.compile."""
     asked = c.config.joint_graph
     if asked is not None or not c.config.compile:
         return JointChoice(bool(asked))
-    drawn = next((n for n in c.gm.graph.nodes if draws(n)), None)
+    drawn = next((n for n in c.gm.graph.nodes if draws(n) and dropout_input(n.target, n.args, n.kwargs) is None),
+                 None)
     if drawn is None:
         return JointChoice(True, "compile: each chunk's joint forward+backward program through inductor "
                                  "(Config(joint_graph=False): torch.compile of each chunk instead)")
     return JointChoice(False, f"compile: torch.compile of each chunk, not its joint program: node {drawn.name} "
-                              f"({module_path(drawn) or 'the root module'}) draws a dropout mask in training, which "
-                              "a joint program cannot take from fxpar's random streams yet")
+                              f"({module_path(drawn) or 'the root module'}, {drawn.target}) draws random numbers in "
+                              "training, which a joint program cannot take from fxpar's random streams yet (a CPU "
+                              "dropout it can: passes/joint/random_inputs.py)")
 
 
 def _gelu(c: Compiled) -> GraphModule:
@@ -369,10 +373,10 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("sequence_shapes", "gm", _sequence_shapes),  # this rank's fake values again, on sequence blocks
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
     ("state_values", "state_values", _state_values),  # buffer values the fusions may prove masks from
+    ("joint", "joint", _joint),  # the joint programs (Config.joint_graph; none: with compile, where they apply)
     ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)
     ("identity_dropout", "gm", _fusion(identity_dropout_pass)),  # a dropout that is an identity removed
     ("bias_dropout_add", "gm", _fusion(bias_dropout_add_pass)),  # bias + dropout + residual add, one op
-    ("joint", "joint", _joint),  # the joint programs (Config.joint_graph; none: with compile, where they apply)
     ("gelu", "gm", _gelu),  # GeLU written out -> aten.gelu (recompute="selective": bias+GeLU recomputed)
     ("assumed", "assumed", _assumed),  # the values the fusions relied on, checked before each call
     ("gathered_gemms", "gm", _gathered_gemms),  # an all-gather and the GEMMs it feeds, one op saving the block

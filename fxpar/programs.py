@@ -29,7 +29,9 @@ from fxpar.passes.joint.dp_buckets import with_dp_buckets
 from fxpar.passes.joint.export import (DP_BUCKETS, EMPTY, PROGRAM_PASSES, TRACING, as_traced, compile_joint,
                                        dead_code, distinct_outputs, expected_inputs, export_joint, inductor,
                                        tag_nodes)
+from fxpar.passes.joint.random_inputs import NoiseDraw, noise_draws, noise_inputs
 from fxpar.passes.joint.reinplace import in_place_collectives
+from fxpar.passes.tensor_parallel.rng import RandomStreams, streams_in
 from fxpar.stages import run_stages
 
 
@@ -142,6 +144,7 @@ PROGRAM_STAGES = (
     ("copy", "gm", _copy),  # the program's own graph: the chunk's stays the partition's
     ("distinct_outputs", "gm", lambda r: distinct_outputs(r.gm)),  # [Note: an output that aliases]: copies
     ("dp_buckets", "gm", _dp_buckets),  # the last microbatch's variant: the weights' dp buckets, in backward
+    ("noise_inputs", "gm", lambda r: noise_inputs(r.gm)),  # each dropout's noise an input ([Note: random inputs])
     ("tag_nodes", "gm", lambda r: tag_nodes(r.gm)),  # each node's name, which torch copies onto the joint nodes
     ("export", "exported", _export),  # AOT autograd's joint export, every collective a functional op
     ("joint", "joint", lambda r: r.exported.graph_module),  # the joint forward+backward graph
@@ -182,4 +185,11 @@ def expected_call(chunk_gm: GraphModule, request: JointRequest) -> tuple[FakeTen
     gradient."""
     mode = FakeTensorMode()
     gm = chunk_gm if request.dp is None else with_dp_buckets(chunk_gm, *_dp_arguments(request.dp))
-    return mode, expected_inputs(gm, mode)
+    return mode, [*expected_inputs(gm, mode), *(draw.fake(mode) for draw in noise_draws(chunk_gm))]
+
+
+def noise_of(chunk_gm: GraphModule) -> tuple[RandomStreams | None, list[NoiseDraw]]:
+    """(the streams, each dropout's noise) a call of the chunk's programs draws and appends to its inputs ([Note:
+    random inputs] in passes/joint/random_inputs.py)."""
+    streams = streams_in(chunk_gm)
+    return (streams[0] if streams else None), noise_draws(chunk_gm)

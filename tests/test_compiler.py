@@ -19,7 +19,7 @@ def test_the_stage_list_is_the_whole_compiler():
         "view_as", "fresh_in_place", "cross_entropy", "gemm_forms", "unfuse",
         "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "sequence_analysis",
         "sequence_parallel", "sequence_shapes", "keep_tp_graph",
-        "state_values", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "joint", "gelu", "assumed",
+        "state_values", "joint", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "gelu", "assumed",
         "gathered_gemms", "random_streams", "recompute", "in_place",
         "partition", "schedule", "lower", "prove", "compile", "expected_state"]
     assert all(product is None or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)

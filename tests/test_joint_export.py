@@ -97,15 +97,42 @@ all_reduce tp_f_0: getitem, getitem, sum, view, t, mm, t, t, t, mm, t, sum, view
         assert collectives(program) == collectives(before.backward)
 
 
-def test_dropout_on_a_random_stream_is_refused_with_the_node():
+class _Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.rand_like(x)
+
+
+def test_a_random_op_other_than_dropout_is_refused_with_the_node():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"cannot run this random op on fxpar's random streams yet: node rng_0 "
+                                         r"\(the root module, on the replicated stream, aten.rand_like.default\).* Fix: "):
+        compile_model(_Noisy(), (x,), {}, Target(TPComm(0, 2)), Config(joint_graph=True))
+    c = compile_model(_Noisy(), (x,), {}, Target(TPComm(0, 2)), Config(compile=True))  # falls back, and says why
+    assert not c.joint.on and "node rand_like" in c.joint.why and "aten.rand_like" in c.joint.why, c.joint.why
+
+
+def test_dropout_noise_is_a_program_input():
+    """[Note: random inputs]: each dropout of a chunk (and the fused bias-dropout-add) reads its noise from a
+    placeholder of the program, in graph order, and no random op is left in the program."""
     from gpt import GPT, GPTConfig  # examples/ is on sys.path (tests/models.py)
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq=8, layers=1, hidden=32, heads=4, dropout=0.1)).train()
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(ValueError, match=r"cannot run random ops on fxpar's random streams yet: node .* Fix: "):
-        compile_model(model, (ids,), {}, Target(TPComm(0, 2)), Config(joint_graph=True))
-    compile_model(model.eval(), (ids,), {}, Target(TPComm(0, 2)), Config(joint_graph=True))  # no dropout in eval
+    c = compile_model(model, (ids,), {}, Target(TPComm(0, 2)), Config(joint_graph=True))
+    chunk = c.partition.chunks[0]
+    record = JointRunner(chunk.gm, c.callables[chunk.index], c.config, 0).record
+    noises = [n for n in record.gm.graph.find_nodes(op="placeholder") if n.name.endswith("_noise")]
+    assert len(noises) == len(JointRunner(chunk.gm, c.callables[chunk.index], c.config, 0).noise) == 3
+    # the attention probabilities' dropout (this rank's heads), then the two fused bias-dropout-adds
+    assert [n.meta["fxpar_noise"].stream for n in noises] == ["sharded", "replicated", "replicated"]
+    seeded = [n for n in record.joint.graph.nodes if n.op == "call_function"
+              and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    assert not seeded, seeded
 
 
 def test_overlap_needs_the_joint_graph_and_known_passes():

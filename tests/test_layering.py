@@ -275,3 +275,42 @@ def test_op_sets_live_in_op_families():
                     all("aten" in ast.unparse(e) for e in value.elts):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+# what the runtime may take from passes/ beyond the IR: data types and constants, none of them a graph rewrite
+RUNTIME_FROM_PASSES = {
+    "fxpar.passes.tensor_parallel.collectives": {"TPComm"},  # a rank's tp group: rank, size, collectives
+    "fxpar.passes.sharding.plan": {"Plan", "WeightShard"},  # pm.plan's type (fxpar/describe.py builds it)
+    "fxpar.passes.pipeline.lower": {"Program"},  # the lowered schedule the interpreter runs
+    "fxpar.passes.pipeline.schedules": {"B", "F", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "rank_of_chunk"},
+}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "fxpar" / "runtime").glob("*.py")), ids=lambda p: p.name)
+def test_the_runtime_calls_no_graph_pass(path):
+    """The runtime runs what the compiler made: from passes/ it imports the IR (passes/ir/) and the data types above,
+    never a pass (the joint programs and their dp buckets are asked of the compiler: fxpar/programs.py)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fxpar.passes") \
+                and not node.module.startswith("fxpar.passes.ir"):
+            names = {a.name for a in node.names}
+            allowed = RUNTIME_FROM_PASSES.get(node.module, set())
+            assert names <= allowed, f"fxpar/runtime/{path.name}:{node.lineno} imports {sorted(names - allowed)} " \
+                                     f"from {node.module}"
+
+
+def test_graph_passes_run_only_from_the_declared_stage_lists():
+    """In fxpar/, only the compiler (STAGES) and fxpar/programs.py (PROGRAM_STAGES, HALF_STAGES) call a graph pass:
+    a function of passes/ that rewrites a graph (the `*_pass` functions and the joint programs' passes)."""
+    rewrites = {"with_dp_buckets", "distinct_outputs", "tag_nodes", "dead_code", "in_place_collectives",
+                "early_collectives", "late_waits", "export_joint", "compile_joint", "unfuse"}
+    hits = []
+    for path in _sources("fxpar"):
+        if path.relative_to(ROOT).as_posix() in ("fxpar/compiler.py", "fxpar/programs.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                if name.endswith("_pass") or name in rewrites:
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert not hits, hits

@@ -30,7 +30,7 @@ def _chunk(model=None, args=None, **config):
 
 def test_the_declared_lists():
     assert [name for name, _, _ in PROGRAM_STAGES] == [
-        "copy", "distinct_outputs", "dp_buckets", "tag_nodes", "export", "joint", "partition"]
+        "copy", "distinct_outputs", "dp_buckets", "noise_inputs", "tag_nodes", "export", "joint", "partition"]
     assert [name for name, _ in HALF_STAGES] == ["dead_code", "reinplace", "early_collectives", "late_waits"]
 
 
@@ -68,7 +68,7 @@ def test_a_failing_program_stage_is_named_with_the_stages_before_it(monkeypatch)
     monkeypatch.setattr(programs, "PROGRAM_STAGES", stages)
     c, chunk = _chunk()
     with pytest.raises(PassError, match=r"fxpar chunk 0 program stage 'tag_nodes' failed \(after copy, "
-                                        r"distinct_outputs, dp_buckets\): KeyError: 'no such node'"):
+                                        r"distinct_outputs, dp_buckets, noise_inputs\): KeyError: 'no such node'"):
         JointRunner(chunk.gm, c.callables[chunk.index], c.config, 0).record
 
 
@@ -81,7 +81,7 @@ def test_a_failing_half_stage_is_named_inside_torchs_compile(monkeypatch):
     c, chunk = _chunk()
     with pytest.raises(ValueError, match=r"(?s)late waits went wrong\n\(in fxpar chunk 0 program stage "
                                          r"'forward_late_waits', after copy, distinct_outputs, dp_buckets, "
-                                         r"tag_nodes, export, joint, forward_dead_code, forward_reinplace, "
+                                         r"noise_inputs, tag_nodes, export, joint, forward_dead_code, forward_reinplace, "
                                          r"forward_early_collectives\)$"):
         JointRunner(chunk.gm, c.callables[chunk.index], c.config, 0).record
 
@@ -92,7 +92,7 @@ def test_dump_dir_holds_each_program_stage(tmp_path):
     folder = tmp_path / "rank0" / "chunk0_program0"
     names = sorted(os.listdir(folder))
     graphs = [n for n in names if n.endswith(".py")]
-    assert graphs[0] == "00_copy.py" and "05_joint.py" in graphs
+    assert graphs[0] == "00_copy.py" and "06_joint.py" in graphs
     assert any(n.endswith("_forward_late_waits.py") for n in graphs)
     assert any(n.endswith("_backward_late_waits.py") for n in graphs)
     assert len(graphs) == sum(n.endswith(".diff") for n in names)
@@ -104,28 +104,28 @@ def test_dump_dir_holds_each_program_stage(tmp_path):
 
 
 class _Dropping(nn.Module):
-    def __init__(self, p: float):
+    def __init__(self, p: float, noise: bool = False):
         super().__init__()
-        self.up, self.drop, self.down = nn.Linear(8, 32), nn.Dropout(p), nn.Linear(32, 8)
+        self.up, self.drop, self.down, self.noise = nn.Linear(8, 32), nn.Dropout(p), nn.Linear(32, 8), noise
 
     def forward(self, x):
-        return self.down(self.drop(torch.relu(self.up(x))))
+        h = self.drop(torch.relu(self.up(x)))
+        return self.down(h + torch.rand_like(h) if self.noise else h)
 
 
-@pytest.mark.parametrize("p, training, joint_graph, on", [
-    (0.0, True, None, True), (0.1, False, None, True),  # nothing draws: compile takes the joint programs
-    (0.1, True, None, False),  # dropout in training: torch.compile of each chunk, and the plan says why
-    (0.0, True, False, False)])  # asked off
-def test_compile_takes_the_joint_programs_where_they_apply(p, training, joint_graph, on):
-    model = _Dropping(p).train(training)
-    c = compile_model(model, (torch.randn(2, 3, 8),), {}, Target(TPComm(0, 2)),
+@pytest.mark.parametrize("p, noise, joint_graph, on", [
+    (0.0, False, None, True), (0.1, False, None, True),  # dropout's noise is a program input: the joint programs
+    (0.1, True, None, False),  # another random op in training: torch.compile of each chunk, and the plan says why
+    (0.0, False, False, False)])  # asked off
+def test_compile_takes_the_joint_programs_where_they_apply(p, noise, joint_graph, on):
+    c = compile_model(_Dropping(p, noise).train(), (torch.randn(2, 3, 8),), {}, Target(TPComm(0, 2)),
                       Config(compile=True, joint_graph=joint_graph))
     assert c.joint.on == on
     assert all(isinstance(made, JointRequest) == on for made in c.callables.values())
     if joint_graph is None:
-        assert ("joint forward+backward program" if on else "draws a dropout mask in training") in c.joint.why
+        assert ("joint forward+backward program" if on else "draws random numbers in training") in c.joint.why
     if joint_graph is None and not on:
-        assert "node " in c.joint.why and "(drop)" in c.joint.why, c.joint.why
+        assert "node rand_like (the root module, aten.rand_like.default)" in c.joint.why, c.joint.why
     if joint_graph is False:
         assert c.joint.why == ""
 

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from fxpar.mesh import Groups
 from fxpar.runtime.buckets import GradBuckets
-from fxpar.runtime.measure import saved_activation_bytes
 from fxpar.passes.pipeline.lower import Program
 from fxpar.passes.ir.placements import Replicate
 from fxpar.passes.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, rank_of_chunk
@@ -34,8 +33,6 @@ from fxpar.passes.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F
 class Stats:
     bytes_sent: dict = field(default_factory=dict)  # (chunk, microbatch, "F"/"B") -> bytes sent
     peak_in_flight: int = 0  # most microbatches holding saved activations at once
-    # (chunk, microbatch) -> saved activation bytes (fxpar/runtime/measure.py)
-    saved_bytes: dict = field(default_factory=dict)
     events: list = field(default_factory=list)  # (name, start_us, duration_us)
 
 
@@ -110,7 +107,6 @@ class Runtime:
         self.stage, self.actions, self.g = stage, program.actions[groups.pp_rank], groups
         self.p2p, self.buckets, self.stats = p2p, buckets, stats
         self.loss_scale = loss_scale  # fp16: the backward starts from the loss times this ([Note: mixed precision])
-        self.state = [*stage.pm.parameters(), *stage.pm.buffers()]  # not activations (fxpar/runtime/measure.py)
         self.handlers = {F: self.forward, B: self.backward, SEND_F: self.send_forward, RECV_F: self.post_receive,
                          SEND_B: self.send_backward, RECV_B: self.post_receive}
 
@@ -147,9 +143,7 @@ class Runtime:
             xs = self._inputs((F, a.chunk - 1, a.chunk, a.microbatch))
             received = [x.detach().requires_grad_() if x.is_floating_point() else x for x in xs]
         last = self.buckets.last_microbatch(a.chunk) if a.microbatch == self.m - 1 else None
-        outs, saved = saved_activation_bytes(
-            lambda: self.stage.run_chunk(chunk, received, self.inputs[a.microbatch], last), self.state)
-        self.stats.saved_bytes[(a.chunk, a.microbatch)] = saved
+        outs = self.stage.run_chunk(chunk, received, self.inputs[a.microbatch], last)
         if not chunk.boundary_out:  # the last chunk: its output is the model's output
             loss = self.stage.loss(outs, self.targets[a.microbatch])
             weight = None if self.weights is None else self.weights[a.microbatch]

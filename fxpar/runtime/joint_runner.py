@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from fxpar.config import Config
-from fxpar.programs import JointRequest, ProgramRecord, compile_program, expected_call, signature
+from fxpar.programs import JointRequest, ProgramRecord, compile_program, expected_call, noise_of, signature
 
 
 class JointRunner:
@@ -19,8 +19,11 @@ class JointRunner:
         self.chunk_gm, self.request, self.config, self.rank = chunk_gm, request, config, rank
         self.by_signature: dict[tuple, ProgramRecord] = {}
         self.last: tuple | None = None
+        self.streams, self.noise = noise_of(chunk_gm)
 
     def __call__(self, *inputs):
+        """inputs: the chunk graph's (and a dp variant's after them); each dropout's noise is drawn and appended."""
+        inputs = (*inputs, *(draw.draw(self.streams) for draw in self.noise))
         key = signature(inputs)
         self.last = key
         return self._program(key, inputs).run(*inputs)

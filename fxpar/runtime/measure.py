@@ -1,4 +1,5 @@
-"""Measuring what a step keeps: the bytes autograd saves for backward (tests, benchmarks and the runtime's stats).
+"""Measuring what a step keeps: the bytes autograd saves for backward (tests and benchmarks; the runtime does not
+measure, so a step pays no saved-tensor hook).
 
 Glossary: *saved bytes*, the distinct storages that autograd keeps for backward while a forward runs, weights and
 buffers excluded; checkpointed regions count their inputs, which checkpoint saves through the same hooks.

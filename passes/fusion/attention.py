@@ -179,7 +179,7 @@ def _erase_dead_inputs(gm: GraphModule, nodes) -> None:
             gm.graph.erase_node(n)
 
 
-def attention_to_sdpa_pass(gm: GraphModule, values: Mapping | None = None) -> GraphModule:
+def attention_to_sdpa_pass(gm: GraphModule, values: Mapping | None = None, dropout: bool = True) -> GraphModule:
     """Explicit attention -> aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale).
 
     Pattern: matmul(q, transpose(k, -2, -1)), then * c or / c with c a Python number (no scale: c = 1), then either
@@ -188,14 +188,15 @@ def attention_to_sdpa_pass(gm: GraphModule, values: Mapping | None = None) -> Gr
     an optional no-op cast and dropout, then matmul(., v); 4-D q, k, v. Safe: SDPA computes softmax(q k^T * scale +
     mask) v, the same math. Anything else (a tensor scale, another softmax dim, a mask of another shape or value, an
     intermediate read elsewhere) is left alone. With dropout p > 0 in training SDPA draws its own mask: the same
-    distribution, not the same bits.
+    distribution, not the same bits. dropout=False leaves an attention with dropout in training as it is (a joint
+    program takes its dropout's noise as an input, and SDPA's own draw it could not: passes/joint/random_inputs.py).
     """
     changed = 0
     for node in list(gm.graph.nodes):
         if not is_call(node, *SOFTMAX) or node.graph is not gm.graph or not node.users:
             continue
         a = _match_attention(node, values)
-        if a is None:
+        if a is None or (a.dropout_p and not dropout):
             continue
         kwargs = {"dropout_p": a.dropout_p} if a.dropout_p else {}
         if a.is_causal:

@@ -4,5 +4,6 @@
     reinplace.py   a functional all-reduce in place where nothing else can see its buffer (programs run as traced)
     overlap.py     early_collectives and late_waits: each collective in flight while independent compute runs
     dp_buckets.py  the dp gradient reduction as collectives of the last microbatch's backward program
+    random_inputs.py  a dropout's noise as a program input, drawn before each call on its random stream
     comm_table.py  each layer's collectives read from the joint programs, with their exposed time estimated
 """

@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxpar.passes.ir.meta import BOUNDARY, FXPAR_NODE, FXPAR_RANDOM, PARAMETER, input_of, module_path
 from fxpar.passes.joint.dp_buckets import FXPAR_DP
 from fxpar.passes.joint.overlap import early_collectives, late_waits
+from fxpar.passes.joint.random_inputs import dropout_input, random_op
 from fxpar.passes.tensor_parallel.collectives import functional_collectives
 
 FXPAR_COPY = "fxpar_output_copy"  # meta: a copy distinct_outputs made ([Note: an output that aliases])
@@ -97,17 +98,17 @@ TRACING = threading.RLock()
 
 
 def check_joint(gm: GraphModule) -> None:
-    """Raise where a chunk cannot run as a joint program yet: a random op on one of fxpar's streams (dropout with
-    p > 0 in training) switches the generator in Python at run time ([Note: random streams] in
-    passes/tensor_parallel/rng.py), which a traced program would do only once, while tracing: every mask would
-    then come from the default generator, the same on no two tp ranks where it must be."""
+    """Raise where a chunk cannot run as a joint program yet: a random op on one of fxpar's streams switches the
+    generator in Python at run time ([Note: random streams] in passes/tensor_parallel/rng.py), which a traced
+    program would do only once, while tracing. A CPU dropout's noise is a program input instead ([Note: random
+    inputs] in passes/joint/random_inputs.py); any other random op is refused."""
     for n in gm.graph.nodes:
-        if FXPAR_RANDOM in n.meta:
+        if FXPAR_RANDOM in n.meta and dropout_input(random_op(gm, n), n.args, n.kwargs) is None:
             raise ValueError(
-                f"fxpar: Config(joint_graph=True) cannot run random ops on fxpar's random streams yet: node {n.name} "
-                f"({module_path(n) or 'the root module'}, on the {n.meta[FXPAR_RANDOM]} stream) draws a dropout "
-                "mask in training. Fix: train this model with joint_graph=False, or with dropout p=0 (in eval mode "
-                "dropout is removed and joint_graph works).")
+                f"fxpar: Config(joint_graph=True) cannot run this random op on fxpar's random streams yet: node "
+                f"{n.name} ({module_path(n) or 'the root module'}, on the {n.meta[FXPAR_RANDOM]} stream, "
+                f"{random_op(gm, n)}) draws in training; a joint program takes only a CPU dropout's noise as an "
+                "input. Fix: train this model with joint_graph=False (or None), or without that op in training.")
 
 
 def distinct_outputs(gm: GraphModule) -> GraphModule:
