@@ -43,6 +43,12 @@ def _variants(chunk_gm, request: JointRequest, buckets: list[list[str]], reduce:
     return make
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as the tensor itself, which autograd then does not version-check ([Note: dp buckets in
+    the program] in passes/joint/dp_buckets.py)."""
+    return t
+
+
 class _Pieces(list):
     """The m microbatch pieces of one leaf of the target (a list that is not part of the target's structure)."""
 
@@ -59,9 +65,10 @@ class Stage:
         """last: (program, its further inputs) where the chunk's last microbatch reduces its gradients over dp in
         the program (fxpar/runtime/buckets.py)."""
         inputs = self.pm._chunk_inputs(chunk, flat_user, received, self.program)
-        if last is not None:
+        if last is not None:  # the accumulated gradients change in place until its backward reads them
             program, extra = last
-            return list(program(*inputs, *extra))
+            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                return list(program(*inputs, *extra))
         return list(self.pm.rank.programs.runner(self.program, chunk.index)(*inputs))
 
     def loss(self, outs: list, target) -> torch.Tensor:

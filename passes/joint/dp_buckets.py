@@ -13,9 +13,12 @@ them (comm_table.py).
     A bucket's backward must reduce the whole step's gradient, not this microbatch's. The sum over the earlier
     microbatches (the weight's .grad, or its fp32 main gradient under mixed precision) enters the variant as an
     input, and the bucket adds this microbatch's gradient to it as eager accumulation does.
-    - Over several microbatches the runtime gives every such weight a gradient before the step's first backward,
-      so the tensor it passes is the one autograd accumulates into, in place, whatever the schedule runs in between
-      (1F1B runs a chunk's last forward before its earlier backwards).
+    - Over several microbatches every such weight holds a gradient by its last microbatch's forward (the runtime
+      gives it one before the step's first backward, unless a backward of the chunk runs before that forward), so
+      the tensor it passes is the one autograd accumulates into, in place, whatever the schedule runs in between
+      (1F1B runs a chunk's last forward before its earlier backwards). The bucket reads it when its backward runs,
+      after those: the runtime calls the variant under identity saved-tensor hooks, so the program keeps the tensor
+      itself and autograd does not refuse its newer version.
     - With one microbatch only a gradient held from before the step is passed; the variant is traced for which
       weights have one.
     The reduced gradient leaves through autograd as the gradient of a *handle*: an input per weight that requires a
