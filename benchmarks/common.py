@@ -91,6 +91,28 @@ def sgd_step(params, run, lr: float = 1e-3):
     return step
 
 
+def pm_step(pm, opt, *args, **kwargs):
+    """A timed train step of an fxpar pipeline module as a function of nothing: pm.step(*args, **kwargs) (the global
+    batch, target= among kwargs) and opt's step; it returns the loss."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = pm.step(*args, **kwargs)
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def ratio_rows(times: dict, base: str, mib: dict) -> list[list]:
+    """Per variant of `times`: name, median ms, the median per-round ratio against `base` and its IQR, and
+    mib[name] bytes in MiB: the rows of a table of variants against one of them."""
+    rows = []
+    for name in times:
+        ratio, q1, q3 = paired_ratio(times, name, base)
+        rows.append([name, statistics.median(times[name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}", mib[name] / 2**20])
+    return rows
+
+
 def _over_ranks(samples: dict, op) -> dict:
     """{name: [samples]} combined elementwise over the ranks of the default group with the dist.ReduceOp `op`."""
     names = list(samples)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -46,7 +45,7 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, warmup: int) -> dict:
         pm = fxpar.parallelize(copy.deepcopy(model), mesh, example_args=(ids[:batch],), loss_fn=loss_fn,
                                example_target=target[:batch], config=fxpar.Config(zero=zero))
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)
-        steps[name] = _step(pm, opt, ids, target)
+        steps[name] = common.pm_step(pm, opt, ids, target=target)
         losses[name] = [steps[name]() for _ in range(max(warmup, 1))]
         state[name] = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
     gap = max(abs(a - b) for a, b in zip(*losses.values()))
@@ -55,24 +54,10 @@ def run_rank(cfg: GPTConfig, batch: int, rounds: int, warmup: int) -> dict:
             "config": dict(vars(cfg)) | {"batch": batch, "d": d, "rounds": rounds}}
 
 
-def _step(pm, opt, ids, target):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = pm.step(ids, target=target)
-        opt.step()
-        return loss.item()
-
-    return step
-
-
 def format_table(result: dict) -> str:
     from tabulate import tabulate
 
-    rows = []
-    for name in VARIANTS:
-        ratio, q1, q3 = common.paired_ratio(result["times"], name, "replicated")
-        rows.append([name, statistics.median(result["times"][name]) * 1e3, ratio, f"{q1:.3f}-{q3:.3f}",
-                     result["state"][name] / 2**20])
+    rows = common.ratio_rows(result["times"], "replicated", result["state"])
     c = result["config"]
     head = (f"d={c['d']} AdamW train step, GPT layers={c['layers']} hidden={c['hidden']} seq={c['seq']} "
             f"batch={c['batch']}/rank vocab={c['vocab']}; gloo, 1 thread/rank; {c['rounds']} interleaved rounds; "

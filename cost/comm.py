@@ -32,6 +32,25 @@ def pp_boundary_elements(b: int, s: int, h: int, t: int, scatter_gather: bool) -
     return b * s * h / (t if scatter_gather else 1)
 
 
+def ep_dispatch_elements(b: int, s: int, h: int, k: int, ep: int) -> float:
+    """Elements each rank sends for expert parallelism, per MoE layer per microbatch: 4 k b s h (ep-1)/ep.
+
+    The all-to-all dispatcher sends each of its k b s routed rows [h] to its expert's rank (a share (ep-1)/ep of them
+    leaves the rank on average), and the combine sends the results back; backward sends the gradients both ways.
+    (The all-gather dispatcher moves (ep-1) k b s h each way instead: every rank's rows to every rank.)
+    """
+    return 4.0 * k * b * s * h * (ep - 1) / ep
+
+
+def alltoall_seconds(nbytes: float, ranks: int, inter_node: bool, cluster: Cluster) -> float:
+    """An all-to-all in which each rank sends `nbytes` in all, spread evenly over the others: (n-1) latencies (one
+    exchange per peer) + nbytes / bandwidth."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    latency, bandwidth = cluster.link(inter_node)
+    return (ranks - 1) * latency + nbytes / bandwidth
+
+
 def ring_seconds(nbytes: float, ranks: int, inter_node: bool, cluster: Cluster, *, steps_factor: int = 2) -> float:
     """A ring collective over `ranks` ranks on one kind of link.
 

@@ -66,33 +66,53 @@ def elementwise_seconds(nbytes: float, kernels: int, cluster: Cluster) -> float:
     return kernels * cluster.kernel_overhead + nbytes / cluster.stream_bandwidth
 
 
-def layer_gemms(shape: ModelShape, b: int, t: int) -> tuple[list[Gemm], list[Gemm]]:
+def expert_split(t: int, ep: int) -> int:
+    """How many ways each expert's columns are split: over tp without expert parallelism, whole with it (each
+    expert on one rank of the ep group)."""
+    return t if ep == 1 else 1
+
+
+def layer_gemms(shape: ModelShape, b: int, t: int, ep: int = 1) -> tuple[list[Gemm], list[Gemm]]:
     """Forward GEMMs of one layer on one tensor-parallel rank: (projections, attention core).
 
     QKV and fc1 are column-parallel (output split by t), proj and fc2 row-parallel (input split by t);
-    the attention core runs a/t heads of [s, h/a] x [h/a, s] and [s, s] x [s, h/a].
+    the attention core runs a/t heads of [s, h/a] x [h/a, s] and [s, s] x [s, h/a]. With experts, fc1 and fc2
+    are the router (replicated) and the experts' gate|up and down GEMMs over the k b s rows routed to this rank's
+    experts (the mean: with ep ranks each holds E/ep experts and receives k b s of the group's ep k b s rows), each
+    expert's columns split over t without expert parallelism (`expert_split`).
     """
     s, h, f, a, hd = shape.seq, shape.hidden, shape.ffn_hidden, shape.heads, shape.head_dim
     rows = b * s
-    projections = [Gemm("qkv", rows, 3 * h // t, h), Gemm("proj", rows, h, h // t),
-                   Gemm("fc1", rows, f // t, h), Gemm("fc2", rows, h, f // t)]
+    if shape.moe:
+        te, fe = expert_split(t, ep), shape.expert_ffn
+        mlp = [Gemm("router", rows, shape.experts, h), Gemm("experts_gate_up", rows * shape.top_k, 2 * fe // te, h),
+               Gemm("experts_down", rows * shape.top_k, h, fe // te)]
+    else:
+        mlp = [Gemm("fc1", rows, f // t, h), Gemm("fc2", rows, h, f // t)]
+    projections = [Gemm("qkv", rows, 3 * h // t, h), Gemm("proj", rows, h, h // t), *mlp]
     heads = b * a // t
     core = [Gemm("scores", s, s, hd, heads), Gemm("context", s, hd, s, heads)]
     return projections, core
 
 
-def layer_elementwise_bytes(shape: ModelShape, b: int, t: int, e: int) -> tuple[float, float]:
+def layer_elementwise_bytes(shape: ModelShape, b: int, t: int, e: int, ep: int = 1) -> tuple[float, float]:
     """Bytes read + written by one layer's forward elementwise kernels: (dense part, attention core part).
 
     Replicated on every tp rank (no sequence parallelism), [b, s, h] each:
       2 LayerNorms (read + write: 2e), 2 bias+dropout+residual (read 2, write 1, 1-byte mask: 3e + 1).
     Split by t: QKV and context re-layouts (read + write 3 + 1 tensors: 8e), bias+GeLU on [b, s, f] (2e).
     Attention core, [b, a/t, s, s]: scale+mask+softmax (2e), dropout (2e + 1).
+    Experts instead of bias+GeLU: the gated activation on [k b s, f_e] split as the experts are (read 2, write 1:
+    3e), and the rows gathered in expert order, weighted and summed back per token ([k b s, h]: 4e).
     """
     s, h, f, a = shape.seq, shape.hidden, shape.ffn_hidden, shape.heads
     bsh = b * s * h
     replicated = (2 * 2 * e + 2 * (3 * e + 1)) * bsh
     split = (8 * e * bsh + 2 * e * b * s * f) / t
+    if shape.moe:
+        k = shape.top_k
+        split = 8 * e * bsh / t + 3 * e * k * b * s * shape.expert_ffn / expert_split(t, ep)
+        replicated += 4 * e * k * bsh
     attention = (4 * e + 1) * b * a * s * s / t
     return replicated + split, attention
 
@@ -101,14 +121,14 @@ ELEMENTWISE_KERNELS_DENSE = 7  # LN1, QKV re-layout, context re-layout, bias-dro
 ELEMENTWISE_KERNELS_ATTENTION = 2  # fused scale-mask-softmax, dropout
 
 
-def layer_seconds(shape: ModelShape, b: int, t: int, cluster: Cluster) -> PassSeconds:
+def layer_seconds(shape: ModelShape, b: int, t: int, cluster: Cluster, ep: int = 1) -> PassSeconds:
     """Compute time of one layer, one microbatch, one tp rank (communication excluded).
 
     Backward = dgrad + wgrad GEMMs of every forward GEMM, and twice the forward elementwise traffic
     (read the saved input and the incoming gradient, write the outgoing gradient).
     """
-    projections, core = layer_gemms(shape, b, t)
-    dense_bytes, attention_bytes = layer_elementwise_bytes(shape, b, t, cluster.dtype_bytes)
+    projections, core = layer_gemms(shape, b, t, ep)
+    dense_bytes, attention_bytes = layer_elementwise_bytes(shape, b, t, cluster.dtype_bytes, ep)
     dense_ew = elementwise_seconds(dense_bytes, ELEMENTWISE_KERNELS_DENSE, cluster)
     attention_ew = elementwise_seconds(attention_bytes, ELEMENTWISE_KERNELS_ATTENTION, cluster)
     attention = sum(gemm_seconds(g, cluster) for g in core) + attention_ew

@@ -26,10 +26,28 @@ def check_recompute(recompute: str) -> str:
 def layer_parameters(shape: ModelShape) -> int:
     """Weights of one Transformer layer: 4h^2 + 2hf (QKV, proj, fc1, fc2) + 9h + f (biases, 2 LayerNorms).
 
-    With f = 4h this is 12h^2 + 13h, the per-layer part of Eq. 2.
+    With f = 4h this is 12h^2 + 13h, the per-layer part of Eq. 2. With experts the MLP (2hf + f + h) is the router
+    (hE) and the experts (`expert_parameters`).
     """
     h, f = shape.hidden, shape.ffn_hidden
+    if shape.moe:
+        return 4 * h * h + 8 * h + h * shape.experts + expert_parameters(shape)
     return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def expert_parameters(shape: ModelShape) -> int:
+    """Weights of one layer's routed experts: E gated MLPs of 3 h f_e (0 for a dense layer). Expert parallelism
+    splits these over ep ranks."""
+    return shape.experts * 3 * shape.hidden * shape.expert_ffn
+
+
+def mlp_forward_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs of one token through the MLP: 4hf dense; with experts the router (2hE) and k gated experts
+    (6 h f_e each)."""
+    h = shape.hidden
+    if shape.moe:
+        return 2.0 * h * shape.experts + shape.top_k * 6.0 * h * shape.expert_ffn
+    return 4.0 * h * shape.ffn_hidden
 
 
 def parameters(shape: ModelShape) -> int:
@@ -47,8 +65,8 @@ def layer_forward_flops(shape: ModelShape, sequences: int) -> float:
     With f = 4h: 24 b s h^2 (1 + s/(6h)). The 4bs^2h term is the attention core (QK^T and attention
     over V); it is the part that selective recomputation runs twice.
     """
-    b, s, h, f = sequences, shape.seq, shape.hidden, shape.ffn_hidden
-    return 2.0 * b * s * (4 * h * h + 2 * h * f) + attention_core_flops(shape, sequences)
+    b, s, h = sequences, shape.seq, shape.hidden
+    return b * s * (8.0 * h * h + mlp_forward_flops_per_token(shape)) + attention_core_flops(shape, sequences)
 
 
 def attention_core_flops(shape: ModelShape, sequences: int) -> float:

@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster import GIB, Cluster
-from .flops import check_recompute, layer_parameters
+from .compute import expert_split
+from .flops import check_recompute, expert_parameters, layer_parameters
 from .bubble import chunks_in_flight
 from .shape import ModelShape
 
@@ -109,11 +110,14 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def stage_parameters(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, t: int) -> float:
+def stage_parameters(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, t: int, ep: int = 1) -> float:
     """Parameters held by one GPU of `stage`: its layers / t, plus the word embedding / t on the first and
-    last stage (tied: the last stage keeps a copy) and the position embedding on the first stage."""
+    last stage (tied: the last stage keeps a copy) and the position embedding on the first stage. A layer's
+    experts are split over tp without expert parallelism and over the ep ranks with it (each expert whole)."""
     p = len(stage_layers)
-    params = stage_layers[stage] * layer_parameters(shape) / t
+    experts = expert_parameters(shape)
+    per_layer = (layer_parameters(shape) - experts) / t + experts / (ep * expert_split(t, ep))
+    params = stage_layers[stage] * per_layer
     if stage == 0:
         params += shape.vocab * shape.hidden / t + shape.seq * shape.hidden
     if stage == p - 1 and p > 1:
@@ -123,7 +127,8 @@ def stage_parameters(shape: ModelShape, stage_layers: tuple[int, ...], stage: in
 
 def stage_memory(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, *, t: int, b: int, m: int,
                  v: int, schedule: str, recompute: str, cluster: Cluster, precision: str = "", zero: int = 0,
-                 d: int = 1, vocab_parallel_loss: bool = True, sequence_parallel: bool = False) -> MemoryBreakdown:
+                 d: int = 1, vocab_parallel_loss: bool = True, sequence_parallel: bool = False,
+                 ep: int = 1) -> MemoryBreakdown:
     """Peak bytes on one GPU of `stage`.
 
     activations = per-layer bytes x layers on the stage x (chunks in flight / v), the in-flight count from
@@ -140,17 +145,17 @@ def stage_memory(shape: ModelShape, stage_layers: tuple[int, ...], stage: int, *
     if stage == p - 1:
         logits = (e + LOGIT_BYTES_FP32) * b * shape.seq * shape.vocab * (1 / t + (not vocab_parallel_loss))
     per_param = state_bytes_per_param(precision or default_precision(e), zero, d)
-    states = per_param * stage_parameters(shape, stage_layers, stage, t)
+    states = per_param * stage_parameters(shape, stage_layers, stage, t, ep)
     return MemoryBreakdown(states, activations, logits, cluster.reserved_bytes, stage)
 
 
 def memory_per_gpu(shape: ModelShape, stage_layers: tuple[int, ...], *, t: int, b: int, m: int, v: int,
                    schedule: str, recompute: str, cluster: Cluster, precision: str = "", zero: int = 0, d: int = 1,
-                   vocab_parallel_loss: bool = True, sequence_parallel: bool = False) -> MemoryBreakdown:
+                   vocab_parallel_loss: bool = True, sequence_parallel: bool = False, ep: int = 1) -> MemoryBreakdown:
     """The most loaded stage's `MemoryBreakdown`: the first stage (most microbatches in flight, and at least
     as many layers as any middle stage, see `pipeline.split_layers`) or the last (logits, LM head)."""
     stages = sorted({0, len(stage_layers) - 1})
     return max((stage_memory(shape, stage_layers, i, t=t, b=b, m=m, v=v, schedule=schedule, recompute=recompute,
                              cluster=cluster, precision=precision, zero=zero, d=d,
-                             vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
+                             vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel, ep=ep)
                 for i in stages), key=lambda mb: mb.total)

@@ -5,7 +5,8 @@ v chunks per device, m = B / (d b) microbatches per pipeline, l layers, a heads,
 
 Rules (a candidate breaking one is rejected, and the reason counted with an example):
   t <= GPUs per node (by default), a % t == 0, t p d = GPUs, l >= p v (fxpar balances uneven layers, so
-  l % (p v) == 0 is not required), B % (d b) == 0, interleaving needs m % p == 0, memory fits.
+  l % (p v) == 0 is not required), B % (d b) == 0, interleaving needs m % p == 0, memory fits; with experts,
+  ep divides d and E, and ep > 1 needs t = 1 (how fxpar runs expert parallelism).
 Paper rule (PTD-P takeaway 1): when no configuration with t p <= GPUs per node fits in memory, the model
 does not fit in one node; then t = GPUs per node and the pipeline spans nodes.
 """
@@ -26,6 +27,7 @@ REASONS = {
     "interleave": "interleaved needs microbatches % pp == 0",
     "memory": "out of memory",
     "paper_rule": "paper rule: model needs more than one node, so tp = GPUs per node",
+    "experts": "ep must divide dp, and ep > 1 runs with tp = 1 and zero = 0",
 }
 
 
@@ -51,9 +53,10 @@ class SearchSpace:
     precision: str = ""  # memory.PRECISIONS, "" for the cluster's default
     zero: tuple[int, ...] = (0,)  # distributed optimizer settings searched (zero=1 only where d > 1)
     sequence_parallel: tuple[bool, ...] = (False,)  # settings searched (True only where t > 1)
+    ep: int = 0  # expert-parallel ranks; 0: search them for a model with experts (1 for a dense one)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "microbatch", "vpp", "max_tp", "max_vpp", "max_microbatch"):
+        for name in ("tp", "pp", "microbatch", "vpp", "max_tp", "max_vpp", "max_microbatch", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"SearchSpace.{name} must be an int >= 0 (0 = search), got {value!r}")
@@ -106,6 +109,17 @@ def check_pins(shape: ModelShape, gpus: int, space: SearchSpace) -> None:
                          f"valid: vpp <= {max(1, shape.layers // p)} or pp <= {shape.layers // (v or 1)}")
     if v > 1 and p == 1:
         raise ValueError(f"--vpp {v} needs pipeline parallelism: --pp 1 runs one chunk; use --vpp 1 or --pp >= 2")
+    if space.ep > 1 and (not shape.moe or shape.experts % space.ep):
+        raise ValueError(f"--ep {space.ep}: " + (f"experts {shape.experts} not divisible by {space.ep}; nearby valid: "
+                                                 f"{', '.join(map(str, nearby_divisors(shape.experts, space.ep)))}"
+                                                 if shape.moe else "the model has no experts (--experts E)"))
+
+
+def _eps(shape: ModelShape, t: int, d: int, space: SearchSpace) -> list[int]:
+    """The ep values to try at (t, d): the pinned one, or every divisor of both d and E (only 1 at t > 1)."""
+    if space.ep:
+        return [space.ep]
+    return [e for e in divisors(d) if shape.experts % e == 0 and (e == 1 or t == 1)] if shape.moe else [1]
 
 
 def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpace):
@@ -145,8 +159,12 @@ def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpa
                         for mode in space.recompute:
                             for zero in sorted({z for z in space.zero if z == 0 or d > 1}) or [0]:
                                 for sp in sorted({s for s in space.sequence_parallel if not s or t > 1}) or [False]:
-                                    yield None, ParallelConfig(**base, recompute=mode, zero=zero,
-                                                               sequence_parallel=sp)
+                                    for ep in _eps(shape, t, d, space):
+                                        if d % ep or (ep > 1 and (t > 1 or zero)):
+                                            yield "experts", ParallelConfig(**base)
+                                            continue
+                                        yield None, ParallelConfig(**base, recompute=mode, zero=zero,
+                                                                   sequence_parallel=sp, ep=ep)
 
 
 def plan(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpace = SearchSpace()) -> PlanResult:

@@ -10,7 +10,11 @@ every boundary is priced at the inter-node link (the slowest boundary sets the p
 Iteration time:
   T = (m + (p-1)/v) x T_stage  +  T_dp  +  T_tied  +  T_optimizer  +  T_sync
   T_stage  = one microbatch through the heaviest stage: its layers' forward, backward and recomputation,
-             their tensor-parallel all-reduces, the LM head on the last stage, and 2 v pipeline sends.
+             their tensor-parallel all-reduces (and, with expert parallelism, each MoE layer's four all-to-alls:
+             dispatch and combine, forward and backward), the LM head on the last stage, and 2 v pipeline sends.
+Expert parallelism (ep ranks among the d, adjacent as Megatron-Core places them): each rank holds E/ep of every
+layer's experts, whole (expert tensor parallelism 1, as fxpar runs it: ep needs t = 1), and reduces their
+gradients over the d/ep ranks that hold the same experts; the rest of the model over all d.
 Overlap assumptions (Megatron-LM as of PTD-P, 2021):
   - tensor-parallel all-reduces block the compute that needs their result: no overlap;
   - pipeline sends and receives are blocking (batched isend/irecv): on the critical path, no overlap;
@@ -24,12 +28,14 @@ and 0 on one device. sync_jitter is 0 on the GPU clusters and measured by `fxpar
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
-from .comm import allreduce_seconds, p2p_seconds, pp_boundary_elements, ring_seconds
+from .comm import (allreduce_seconds, alltoall_seconds, ep_dispatch_elements, p2p_seconds, pp_boundary_elements,
+                   ring_seconds)
 from .compute import head_seconds, layer_seconds
-from .flops import check_recompute, flops_per_iteration
+from .flops import check_recompute, expert_parameters, flops_per_iteration
 from .memory import (PRECISIONS, MemoryBreakdown, default_precision, memory_per_gpu, stage_parameters,
                      state_bytes_per_param)
 from .bubble import bubble_fraction, check_schedule, default_schedule, split_layers
@@ -65,13 +71,14 @@ class ParallelConfig:
     zero: int = 0
     vocab_parallel_loss: bool = True
     sequence_parallel: bool = False  # activations between regions on 1/t of the tokens; the same bytes on the wire
+    ep: int = 1  # expert-parallel ranks among the dp ones (a mixture of experts)
 
     def __post_init__(self):
         if self.precision and self.precision not in PRECISIONS:
             raise ValueError(f"ParallelConfig.precision must be one of {PRECISIONS} or '', got {self.precision!r}")
         if self.zero not in (0, 1):
             raise ValueError(f"ParallelConfig.zero must be 0 or 1, got {self.zero!r}")
-        for name in ("tp", "pp", "dp", "microbatch", "vpp"):
+        for name in ("tp", "pp", "dp", "microbatch", "vpp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")
@@ -80,6 +87,8 @@ class ParallelConfig:
             object.__setattr__(self, "schedule", default_schedule(self.vpp))
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"vpp={self.vpp} needs pipeline parallelism (pp > 1); use vpp=1 with pp=1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: the experts' ranks are drawn from the dp ones")
 
     @property
     def gpus(self) -> int:
@@ -90,7 +99,7 @@ class ParallelConfig:
         """'t=8 p=16 d=15 b=1 v=3 interleaved-1f1b recompute=full'."""
         return (f"t={self.tp} p={self.pp} d={self.dp} b={self.microbatch} v={self.vpp} {self.schedule} "
                 f"recompute={self.recompute}" + (" zero=1" if self.zero else "")
-                + (" sequence-parallel" if self.sequence_parallel else ""))
+                + (" sequence-parallel" if self.sequence_parallel else "") + (f" ep={self.ep}" if self.ep > 1 else ""))
 
 
 def check_config(shape: ModelShape, config: ParallelConfig) -> int:
@@ -102,6 +111,11 @@ def check_config(shape: ModelShape, config: ParallelConfig) -> int:
     if shape.ffn_hidden % t:
         near = ", ".join(map(str, nearby_divisors(shape.ffn_hidden, t)))
         raise ValueError(f"--tp {t}: ffn hidden {shape.ffn_hidden} not divisible by {t}; nearby valid: {near}")
+    if config.ep > 1 and (not shape.moe or shape.experts % config.ep or t > 1):
+        why = ("the model has no experts" if not shape.moe else f"experts {shape.experts} not divisible by "
+               f"{config.ep}" if shape.experts % config.ep else "expert parallelism runs with tp=1")
+        raise ValueError(f"--ep {config.ep}: {why}; nearby valid: --ep 1"
+                         + (f" or one dividing both {shape.experts} and dp {d}" if shape.moe else ""))
     if shape.layers < p * v:
         raise ValueError(f"--pp {p} --vpp {v}: layers {shape.layers} < pp*vpp = {p * v}; nearby valid: "
                          f"vpp <= {max(1, shape.layers // p)} or pp <= {shape.layers // v}")
@@ -155,7 +169,7 @@ class StepEstimate:
         return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "microbatch": c.microbatch, "vpp": c.vpp,
                 "schedule": c.schedule, "recompute": c.recompute, "scatter_gather": c.scatter_gather,
                 "precision": self.precision, "zero": c.zero, "vocab_parallel_loss": c.vocab_parallel_loss,
-                "sequence_parallel": c.sequence_parallel,
+                "sequence_parallel": c.sequence_parallel, "ep": c.ep,
                 "gpus": c.gpus, "cluster": self.cluster, "microbatches": self.microbatches,
                 "tflops_per_gpu": self.tflops_per_gpu, "percent_of_peak": self.percent_of_peak,
                 "seconds_per_iteration": self.seconds, "memory_gib_per_gpu": self.memory.gib,
@@ -183,14 +197,16 @@ def optimizer_seconds(params: float, cluster: Cluster, precision: str = "", zero
 
 def stage_microbatch_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cluster) -> dict:
     """Per-microbatch seconds of one layer and of the head, split into compute and tensor-parallel comm."""
-    t, b, e = config.tp, config.microbatch, cluster.dtype_bytes
+    t, b, e, ep = config.tp, config.microbatch, cluster.dtype_bytes, config.ep
     tp_per_node = min(t, cluster.gpus_per_node)
     tp_allreduce = allreduce_seconds(b * shape.seq * shape.hidden * e, t, tp_per_node, cluster)
-    layer, head = layer_seconds(shape, b, t, cluster), head_seconds(shape, b, t, cluster)
+    layer, head = layer_seconds(shape, b, t, cluster, ep), head_seconds(shape, b, t, cluster)
+    dispatch = ep_dispatch_elements(b, shape.seq, shape.hidden, shape.top_k, ep) * e if shape.moe else 0.0
+    layer_ep = 4 * alltoall_seconds(dispatch / 4, ep, t * ep > cluster.gpus_per_node, cluster)
     recompute = {"none": 0.0, "selective": layer.attention_forward, "full": layer.forward}[config.recompute]
     allreduces = 6 if config.recompute == "full" else 4  # see comm.tp_allreduce_elements
     return {"layer_compute": layer.forward + layer.backward + recompute,
-            "layer_tp": allreduces * tp_allreduce,
+            "layer_tp": allreduces * tp_allreduce + layer_ep,
             "head_compute": head.forward + head.backward,
             "head_tp": 2 * tp_allreduce}  # vocab-parallel embedding (forward), LM head input grad (backward)
 
@@ -204,7 +220,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
     m = check_config(shape, config)
     t, p, d, b, v, e = config.tp, config.pp, config.dp, config.microbatch, config.vpp, cluster.dtype_bytes
     _, dp_per_node, pipeline_inter = _placement(config, cluster.gpus_per_node)
-    key = (shape, cluster, t, b, config.recompute)
+    key = (shape, cluster, t, b, config.recompute, config.ep)
     if cache is None or key not in cache:
         mb = stage_microbatch_seconds(shape, config, cluster)
         if cache is not None:
@@ -227,10 +243,13 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
         p2p *= 2 * v  # v chunks, forward activation and backward gradient
     stage = stage_compute + stage_tp + p2p
     bubble = bubble_fraction(config.schedule, p, m, v)
-    params = max(stage_parameters(shape, stages, i, t) for i in range(p))
+    params = max(stage_parameters(shape, stages, i, t, config.ep) for i in range(p))
+    experts = max(stages) * expert_parameters(shape) / config.ep if config.ep > 1 else 0.0  # reduced over d/ep
+    edp_per_node = math.gcd(d // config.ep, max(1, dp_per_node // config.ep))
     parts = {"compute": m * stage_compute, "tp_comm": m * stage_tp, "p2p": m * p2p,
              "bubble": (p - 1) / v * stage,
-             "dp_allreduce": allreduce_seconds(params * e, d, dp_per_node, cluster),
+             "dp_allreduce": allreduce_seconds((params - experts) * e, d, dp_per_node, cluster)
+             + allreduce_seconds(experts * e, d // config.ep, edp_per_node, cluster),
              "tied_embedding": (allreduce_seconds(shape.vocab * shape.hidden / t * e, 2, 1 if pipeline_inter
                                                   else 2, cluster) if p > 1 else 0.0),
              "optimizer": optimizer_seconds(params, cluster, config.precision, config.zero, d),
@@ -238,7 +257,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
     memory = memory_per_gpu(shape, stages, t=t, b=b, m=m, v=v, schedule=config.schedule,
                             recompute=config.recompute, cluster=cluster, precision=config.precision, zero=config.zero,
                             d=d, vocab_parallel_loss=config.vocab_parallel_loss,
-                            sequence_parallel=config.sequence_parallel)
+                            sequence_parallel=config.sequence_parallel, ep=config.ep)
     return StepEstimate(shape=shape, config=config, cluster=cluster.name, seconds=sum(parts.values()),
                         flops=flops_per_iteration(shape, config.recompute), peak_flops=cluster.peak_flops,
                         memory=memory, memory_capacity=cluster.memory_bytes, microbatches=m, bubble=bubble,

@@ -44,7 +44,10 @@ def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kw
     streams = _streams(config, comm, groups, example_args)
     loss = (loss_fn, example_target) if loss_fn is not None and example_target is not None and traced is None \
         else None
-    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams), config,
+    ep = groups.ep_comm if groups is not None else TPComm(rank=0, size=1)
+    if ep.size > 1:
+        _check_expert_parallel(config, groups)
+    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams, ep=ep), config,
                              traced=traced, loss=loss)
     if loss_fn is not None and groups is not None:
         pm = PipelineModule(model, compiled, groups, loss_fn)
@@ -57,6 +60,19 @@ def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kw
             stacklevel=3,
         )
     return pm
+
+
+def _check_expert_parallel(config: Config, groups: Groups) -> None:
+    """What expert parallelism does not compose with yet: a clear error, not a silent difference."""
+    other = [what for what, on in (
+        (f"tp={groups.tp}", groups.tp > 1),
+        ("Config(zero=1)", bool(config.zero)), ("Config(compile=True)", config.compile),
+        ("Config(joint_graph=True)", bool(config.joint_graph))) if on]
+    if other:
+        raise ValueError(
+            f"fxpar: expert parallelism (ep={groups.ep}) does not run with {', '.join(other)} yet (compiled programs: "
+            "the rows each rank's experts receive are known only at run time). Fix: use ep with dp (and pp), tp=1, "
+            "zero=0 and without compile, or ep=1 (the experts are then split the tensor-parallel way).")
 
 
 def _check_meta_buffers(model: nn.Module) -> None:

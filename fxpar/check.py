@@ -68,6 +68,7 @@ class CheckSpec:
     tp: int = 2
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert-parallel ranks among the dp ones (init_mesh(ep=E))
     # fxpar.Config fields to set (the CLI's Config flags); unset: 2 p v microbatches with a pipeline (else 1), the
     # default schedule for v (cost.bubble.default_schedule), and Config's defaults. seed and mixed_precision are the
     # check's own (seed, precision)
@@ -79,7 +80,7 @@ class CheckSpec:
     timeout_s: float = 120.0  # of every collective
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "steps"):
+        for name in ("tp", "pp", "dp", "ep", "steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"fxpar check: --{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.precision not in TOLERANCE:
@@ -130,6 +131,7 @@ class CheckResult:
     tolerance: float = 1e-5
     arbiter: str = ""  # a fp32 gap the float64 run showed to be rounding ([Tolerance])
     low_steps: list[Step] = field(default_factory=list)  # --precision bf16: the bf16 run's (losses judged)
+    reference_note: str = ""  # what the reference runs differently in float64 (Hugging Face's experts)
 
 
 def unpack(out, spec: str):
@@ -276,15 +278,16 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
                                        else x, (args, kwargs))
     loss = loss or default_loss
     reference = Reference(copy.deepcopy(model), loss, spec)
+    note = _float64_experts(reference.model) if spec.precision == "fp64" else ""
     low = MixedPrecision(torch.bfloat16) if spec.precision == "bf16" else None
     config = spec.parallel_config(low)
-    pm = parallelize(model, init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp), example_args=args,
+    pm = parallelize(model, init_mesh(tp=spec.tp, pp=spec.pp, dp=spec.dp, ep=spec.ep), example_args=args,
                      example_kwargs=kwargs, loss_fn=lambda out, inputs: loss(out, *inputs[0], **inputs[1]),
                      config=config)
     opt = pm.optimizer(torch.optim.AdamW, lr=spec.lr)
     tol = TOLERANCE[spec.precision]
     result = CheckResult("exact", spec, bytes_per_element={"fp64": 8, "fp32": 4, "bf16": 2}[spec.precision],
-                         tolerance=tol)
+                         tolerance=tol, reference_note=note)
     for step in range(spec.steps):
         b_args, b_kwargs = batch(args, kwargs, spec.dp * spec.m, step, spec.seed)
         opt.zero_grad()
@@ -301,6 +304,17 @@ def _on_rank(spec: CheckSpec) -> CheckResult:
             break
     result.ledger = list(pm.plan.comm)
     return result
+
+
+def _float64_experts(model) -> str:
+    """Hugging Face's `grouped_mm` experts call torch._grouped_mm, which refuses float64: the float64 reference runs
+    the model's own `batched_mm` experts instead (the same per-expert products, batched), and the note says so."""
+    config = getattr(model, "config", None)
+    chosen = getattr(config, "_experts_implementation", None)
+    if chosen in (None, "eager", "batched_mm") or not hasattr(model, "set_experts_implementation"):
+        return ""
+    model.set_experts_implementation("batched_mm")
+    return f"the float64 reference runs Hugging Face's batched_mm experts ({chosen} refuses float64)"
 
 
 def _keep_float64() -> None:
@@ -358,7 +372,8 @@ def check(spec: CheckSpec) -> CheckResult:
         result.status = "exact"
         result.arbiter = (f"fp32 {result.message}; the same run in float64 agrees to "
                           f"{max(s.gap for s in wide.steps):.2g} (bound {wide.tolerance:g}): rounding amplified by "
-                          "AdamW near a zero gradient, not the rewrite")
+                          "AdamW near a zero gradient, not the rewrite"
+                          + (f"; {wide.reference_note}" if wide.reference_note else ""))
         result.message = ""
         result.steps = wide.steps
     return result

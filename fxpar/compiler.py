@@ -31,6 +31,8 @@ from fxpar.passes.frontend.canonicalize import (cross_entropy_pass, drop_metadat
 from fxpar.passes.fusion.driver import (attention_to_sdpa_pass, bias_dropout_add_pass, bias_gelu_pass, gelu_pass,
                                         identity_dropout_pass)
 from fxpar.passes.frontend.context_regions import inline_context_pass
+from fxpar.passes.experts.find import Experts, find_experts
+from fxpar.passes.experts.expert_parallel import expert_keys, expert_parallel_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
 from fxpar.passes.frontend.token_count import LossNormalization, loss_normalization
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
@@ -73,6 +75,7 @@ class Target:
     pipelined: bool = False  # trained with step() over a pipeline schedule (a loss_fn was given)
     streams: RandomStreams | None = None  # this rank's random streams (passes/tensor_parallel/rng.py); None: seed 0
     chunk_layers: tuple | None = None  # pin the layers of each chunk (a recompile keeps the first one's cut)
+    ep: TPComm = field(default_factory=lambda: TPComm(rank=0, size=1))  # the expert-parallel group (init_mesh(ep=E))
 
     def __post_init__(self):
         if self.streams is None:
@@ -104,6 +107,7 @@ class Compiled:
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
     sequence: SequenceAnalysis | None = None  # sequence_analysis: what runs on sequence blocks between regions
     tp_graph: GraphModule | None = None  # keep_tp_graph: the graph right after tensor parallelism (for verify)
+    experts: Experts | None = None  # experts: the expert chains, and why other experts are not one
     partition: Partition | None = None  # the chunks (one chunk, the whole graph, without a pipeline)
     schedule: dict | None = None  # the compute schedule of every pp rank (pipelined only)
     program: Program | None = None  # the lowered schedule the runtime runs (pipelined only)
@@ -127,6 +131,11 @@ class Compiled:
     def specs(self) -> dict[str, Shard]:
         """state_dict key -> how this weight is sharded over tp (absent: replicated)."""
         return weight_specs(self.analysis)
+
+    @property
+    def expert_keys(self) -> set[str]:
+        """state_dict keys split along their expert dim (0) over ep (empty without expert parallelism)."""
+        return expert_keys(self.experts) if self.target.ep.size > 1 else set()
 
     @property
     def target_device(self) -> torch.device:
@@ -295,6 +304,10 @@ def _in_place(c: Compiled) -> GraphModule:
     return in_place_pass(c.gm)
 
 
+def _expert_parallel(c: Compiled) -> GraphModule:
+    return expert_parallel_pass(c.gm, c.experts, c.target.ep, c.config.ep_dispatch)
+
+
 def _partition(c: Compiled) -> Partition:
     if not c.target.pipelined:
         return whole_graph(c.gm)
@@ -383,6 +396,8 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("in_place", "gm", _in_place),  # f and g all-reduce in place where nothing else reads the tensor
+    ("experts", "experts", lambda c: find_experts(c.gm)),  # the expert chains (passes/experts/find.py)
+    ("expert_parallel", "gm", _expert_parallel),  # each chain on the rows of this rank's experts (init_mesh(ep=E))
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags

@@ -8,6 +8,7 @@ import torch
 
 from fxpar.cost.flops import RECOMPUTE_MODES
 from fxpar.cost.bubble import SCHEDULES, check_schedule
+from fxpar.passes.experts.dispatch import EP_DISPATCHERS
 from fxpar.passes.joint.export import OVERLAP_NAMES
 from fxpar.mixed_precision import MixedPrecision
 
@@ -51,6 +52,10 @@ class Config:
                                            "(0: never)")
     zero: int = _option(0, "1: pm.optimizer is Megatron's distributed optimizer over dp (fxpar/runtime/zero.py); "
                            "0: a plain one")
+    ep_dispatch: str = _option(
+        "alltoall", "with init_mesh(ep=E), how the rows routed to an expert reach the rank that holds it: alltoall "
+                    "(counts exchanged, each rank sends only those rows) or allgather (every rank's rows gathered, the "
+                    "results reduce-scattered) (passes/experts/dispatch.py)")
     mixed_precision: MixedPrecision | None = _option(
         None, "low-precision compute with fp32 main gradients and parameters (fxpar/mixed_precision.py)")
 
@@ -93,6 +98,8 @@ class Config:
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"Config.zero must be 0 (a plain optimizer) or 1 (optimizer state sharded over dp), got "
                              f"{self.zero!r}")
+        if self.ep_dispatch not in EP_DISPATCHERS:
+            raise ValueError(f"Config.ep_dispatch must be one of {EP_DISPATCHERS}, got {self.ep_dispatch!r}")
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError(f"Config.mixed_precision must be an fxpar.MixedPrecision or None, got "
                              f"{self.mixed_precision!r}")

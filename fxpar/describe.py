@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fxpar.compiler import Compiled
 from fxpar.cost.cluster import get_cluster
+from fxpar.passes.experts.dispatch import ledger_line
 from fxpar.passes.joint.comm_table import program_comm
 from fxpar.passes.sharding.plan import Plan, WeightShard, make_plan
 
@@ -22,4 +23,19 @@ def plan_of(program: Compiled, shards: list[WeightShard], joint: list, dp: list,
     table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp, d) if joint else ()
     return make_plan(program.analysis, shards, partition, program.target.pp, program.traced.loss_note,
                      program.tp_graph, tuple(program.sequence.lines()), table, ESTIMATE_ON,
-                     program.normalization.line() if program.normalization else "", program.joint.why)
+                     program.normalization.line() if program.normalization else "", program.joint.why,
+                     _experts(program))
+
+
+def _experts(program: Compiled) -> tuple[str, ...]:
+    """The MoE layers: how their experts are split (expert parallelism, init_mesh(ep=E)), or why not."""
+    found, ep = program.experts, program.target.ep.size
+    if found is None or not (found.chains or found.reasons):
+        return ()
+    head = (f"experts: split over ep={ep} ranks (each holds {{}} of every layer's experts; dispatch "
+            f"{program.config.ep_dispatch})" if ep > 1 else
+            "experts: every rank holds every expert (init_mesh(ep=E) splits them over E of the dp ranks)")
+    share = f"1/{ep}" if ep > 1 else "all"
+    ledger = [f"  collectives per MoE layer and microbatch: {ledger_line(program.config.ep_dispatch)}"] \
+        if ep > 1 and found.chains else []
+    return (head.format(share), *(f"  {line}" for line in found.lines()), *ledger)

@@ -11,6 +11,7 @@ One subpackage per part of the pipeline, in the order data flows (each __init__ 
     sharding/         the analysis: one rule per op family, regions of column- then row-parallel GEMMs, fused
                       projections, the vocabulary, the plan and its per-layer communication audit
     tensor_parallel/  the rewrite: f/g and the other collectives, merged and in place, random streams, local shapes
+    experts/          expert parallelism: each MoE layer's expert chain found, its rows sent to the ranks of their experts
     fusion/           fused kernels (attention -> SDPA, bias+dropout+add, bias+GeLU) and activation recomputation
     pipeline/         p*v chunks, schedules as data, lowering to the runtime's program, replay, proofs
     joint/            each chunk's forward+backward as one graph, every collective a node; the collectives it runs

@@ -21,6 +21,14 @@ def llama_masked_labels():
     return model, (ids,), {**kwargs, "labels": labels}
 
 
+def mixtral():
+    """A tiny Hugging Face Mixtral (grouped experts) trained through its own loss."""
+    from tests.hf_sweep import build
+
+    model, (ids,), kwargs = build("mixtral", "MixtralForCausalLM")
+    return model, (ids,), {**kwargs, "labels": ids}
+
+
 def refused():
     """A custom autograd.Function, whose backward a trace would drop: fxpar refuses it."""
     from tests.test_soundness import Reversed

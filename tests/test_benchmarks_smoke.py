@@ -168,3 +168,16 @@ def test_matrix_table_readme_and_plot_from_samples(tmp_path):
     assert "| GPT, t=2 | fxpar | DTensor | 0.500 |" in text and "old" not in text and text.endswith("after\n")
     matrix.plot(rows, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_moe_step_runs_every_variant_exact(capsys):
+    from benchmarks import moe_step
+
+    result = moe_step.main(["--layers", "1", "--hidden", "32", "--heads", "4", "--ffn", "32", "--experts", "4",
+                            "--seq", "8", "--vocab", "64", "--batch", "2", "--rounds", "1", "--warmup", "2",
+                            "--timeout", "60"])  # spawns 2 gloo ranks
+    out = capsys.readouterr().out
+    assert all(name in out for name in moe_step.VARIANTS) and "expert weights + Adam MiB/rank" in out
+    assert result["gap"] <= moe_step.TOL
+    e = result["experts"]
+    assert e["dp=2 ep=2 alltoall"] * 2 == e["dp=2"] == e["dp=2 ep=2 allgather"] * 2  # half the experts per rank

@@ -144,6 +144,18 @@ def test_bad_flags_are_refused_before_any_rank_starts(capsys):
     assert "use schedule 'interleaved-1f1b' for v > 1" in capsys.readouterr().err
 
 
+def test_expert_parallelism_is_checked_and_the_float64_arbiter_runs_hugging_face_experts(capsys):
+    """`fxpar check --dp 2 --ep 2` on a Mixtral: exact; and its float64 arbiter runs the reference's experts as
+    batched_mm (Hugging Face's grouped_mm refuses float64), agreeing to float64 rounding."""
+    from fxpar.check import CheckSpec, _run
+
+    out = _check_here(capsys, "tests/check_targets.py:mixtral", "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "2")
+    assert out.returncode == 0 and "t=1 p=1 d=2 e=2" in out.stdout and "exact" in out.stdout, out.stdout + out.stderr
+    wide = _run(CheckSpec("tests/check_targets.py:mixtral", tp=1, dp=2, ep=2, precision="fp64", steps=2))
+    assert wide.status == "exact" and max(s.gap for s in wide.steps) < 1e-12, wide
+    assert "batched_mm experts (grouped_mm refuses float64)" in wide.reference_note, wide.reference_note
+
+
 def test_the_float64_arbiter_runs_a_hugging_face_loss_in_float64():
     """Hugging Face's loss upcasts with logits.float(); in the arbiter's run that keeps float64, so the run agrees to
     float64 rounding (a float32 loss would leave 1e-6 there, and the arbiter could clear nothing)."""

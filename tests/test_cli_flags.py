@@ -16,13 +16,13 @@ from fxpar.mixed_precision import MixedPrecision
 CONFIG_FLAGS = ["--microbatches", "--virtual-stages", "--vpp", "--schedule", "--scatter-gather", "--fuse", "--no-fuse",
                 "--sequence-parallel", "--no-sequence-parallel", "--recompute", "--compile", "--no-compile",
                 "--joint-graph", "--no-joint-graph", "--overlap", "--trace-dir", "--dump-dir", "--bucket-mb", "--seed",
-                "--check-replicas-every", "--zero", "--mixed-precision"]
+                "--check-replicas-every", "--zero", "--ep-dispatch", "--mixed-precision"]
 FLAGS = {
-    "check": ["--tp", "--pp", "--dp", "--precision", "--steps", "--lr", "--seed",
+    "check": ["--tp", "--pp", "--dp", "--ep", "--precision", "--steps", "--lr", "--seed",
               *[f for f in CONFIG_FLAGS if f not in ("--seed", "--mixed-precision")]],  # the check's own seed, precision
     "show": ["--tp", "--rank", "--format", "--pp", "--chunk", *CONFIG_FLAGS],
-    "plan": ["--layers", "--hidden", "--heads", "--seq", "--vocab", "--ffn", "--batch", "--gpus", "--cluster", "--tp",
-             "--pp", "--microbatch", "--max-tp", "--no-paper-rule", "--precision",
+    "plan": ["--layers", "--hidden", "--heads", "--seq", "--vocab", "--ffn", "--experts", "--top-k", "--expert-ffn",
+             "--batch", "--gpus", "--cluster", "--tp", "--pp", "--microbatch", "--ep", "--max-tp", "--no-paper-rule", "--precision",
              # m follows from b, the schedule from v, the precision is --precision's; --sequence-parallel takes a value
              *[f for f in CONFIG_FLAGS if f not in ("--microbatches", "--schedule", "--mixed-precision",
                                                     "--no-sequence-parallel")],

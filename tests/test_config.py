@@ -14,7 +14,7 @@ BAD = {
     "scatter_gather": ("yes", 1), "fuse": ("no", 1), "sequence_parallel": ("on", 0), "recompute": ("some",),
     "compile": (1, "inductor"), "joint_graph": ("yes",), "overlap": (("sideways",), "early_collectives"),
     "trace_dir": (3,), "dump_dir": (["a"],), "bucket_mb": (0, -1.0, "25", True), "seed": ("0", 1.5, True),
-    "check_replicas_every": (-1, 1.5, True), "zero": (2, True, "1"), "mixed_precision": ("bf16",),
+    "check_replicas_every": (-1, 1.5, True), "zero": (2, True, "1"), "ep_dispatch": ("a2a", None), "mixed_precision": ("bf16",),
 }
 
 

@@ -49,14 +49,19 @@ def chunks(full_shape: tuple[int, ...], spec: Shard | None, rank: int, t: int) -
 class Chunked:
     """`local`, this rank's shard of a tensor of `full_shape`, as DCP chunks (see the module docstring)."""
 
-    def __init__(self, local: torch.Tensor, full_shape: tuple[int, ...], spec: Shard | None, rank: int, t: int):
+    def __init__(self, local: torch.Tensor, full_shape: tuple[int, ...], spec: Shard | None, rank: int, t: int,
+                 first_expert: int | None = None):
+        """first_expert: where this rank's experts start along dim 0 (a weight split over ep; None: not split)."""
         self.local, self.full_shape = local, torch.Size(full_shape)
         self.dim = spec.dim if spec is not None else 0
+        if first_expert is not None:  # the tp chunks of this rank's experts, then moved to where they start
+            full_shape = (local.shape[0], *full_shape[1:])
         self.pieces = {}  # global offsets -> the local view
         for local_start, global_start, n in chunks(tuple(full_shape), spec, rank, t):
             offsets = [0] * len(full_shape)
             if full_shape:
                 offsets[self.dim] = global_start
+                offsets[0] += first_expert or 0
             view = local.narrow(self.dim, local_start, n) if full_shape else local
             self.pieces[torch.Size(offsets)] = view
 
@@ -67,7 +72,9 @@ class Chunked:
         local = pm.rank.weights.live[key].detach() if local is None else local
         if not local.dim():
             return cls(local, (), None, 0, 1)
-        return cls(local, pm.rank.weights.shapes[key], pm.rank.weights.spec(key), pm.rank.comm.rank, pm.rank.comm.size)
+        w = pm.rank.weights
+        first = w.ep.rank * local.shape[0] if w.expert(key) else None
+        return cls(local, w.shapes[key], w.spec(key), pm.rank.comm.rank, pm.rank.comm.size, first)
 
     def size(self) -> torch.Size:
         return self.full_shape

@@ -121,7 +121,7 @@ def load(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         _check_optimizer(path, optimizer, manifest["optimizer"])
         targets = _optimizer_targets(pm, saved)
         items.update(optimizer_items(targets, pm))
-    rng = rng_items(pm) if manifest["layout"] == layout else {}
+    rng = rng_items(pm) if {"ep": 1, **manifest["layout"]} == layout else {}  # saved before ep: ep=1
     items.update(rng)
     with torch.no_grad():
         dcp.load(items, storage_reader=reader, planner=LoadPlanner())
@@ -146,7 +146,7 @@ def latest(root: str | os.PathLike) -> str | None:
 # ---- what a rank saves ------------------------------------------------------------------------------------------
 def layout_of(pm) -> dict:
     g = pm.rank.groups
-    return {"tp": pm.rank.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1,
+    return {"tp": pm.rank.comm.size, "pp": g.pp if g else 1, "dp": g.dp if g else 1, "ep": g.ep if g else 1,
             "vpp": pm.config.virtual_stages}
 
 

@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree t (default 2)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages p (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas d (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks among the d (default 1: every rank "
+                                                      "holds every expert)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default), or bf16: its losses against the one-process bf16 recipe, then the same "
                         "plan in fp32 (fxpar/check.py [Tolerance])")
@@ -86,7 +88,8 @@ def report(result) -> str:
     s = result.spec
     c = s.parallel_config()
     schedule = f" {c.schedule}" if s.pp > 1 else ""
-    lines = [f"fxpar check {s.target}: t={s.tp} p={s.pp} d={s.dp} v={c.virtual_stages} m={c.microbatches}{schedule} "
+    mesh = f"t={s.tp} p={s.pp} d={s.dp}" + (f" e={s.ep}" if s.ep > 1 else "")
+    lines = [f"fxpar check {s.target}: {mesh} v={c.virtual_stages} m={c.microbatches}{schedule} "
              f"{s.precision}, {s.steps} AdamW steps (lr {s.lr:g}) on {s.world} local ranks over gloo"]
     if result.status in ("refused", "failed"):
         what = "refused by fxpar" if result.status == "refused" else "fxpar failed (a bug; please report it)"
@@ -117,7 +120,7 @@ def run(args) -> int:
     from fxpar.check import CheckSpec, check
 
     try:
-        spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, config=config_overrides(args),
+        spec = CheckSpec(args.target, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, config=config_overrides(args),
                          precision=args.precision, steps=args.steps, lr=args.lr, seed=args.seed)
     except ValueError as e:
         print(e, file=sys.stderr)

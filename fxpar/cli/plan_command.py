@@ -3,6 +3,7 @@
     fxpar plan --layers 96 --hidden 12288 --heads 96 --batch 1536 --gpus 1024 --cluster selene
     fxpar plan examples/gpt3_175b.py:factory --batch 1536 --gpus 1024 --tokens 300e9
     fxpar plan ... --tp 8 --pp 16 --json          # estimate that (t, p); b and v chosen unless given
+    fxpar plan --layers 32 --hidden 4096 --heads 32 --experts 8 --top-k 2 --expert-ffn 14336 ...  # ep searched
     fxpar calibrate [--world 2] [--out ~/.cache/fxpar/local.json]  # then: fxpar plan ... --cluster local
 
 Glossary: t tensor-, p pipeline-, d data-parallel degree; b microbatch; v chunks per device (interleaved).
@@ -39,10 +40,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("target", nargs="?", help="path/file.py:factory or module:factory, traced on the meta device")
     for flag in SHAPE_FLAGS:
         p.add_argument(f"--{flag}", type=int, help=f"model {flag} (overrides the traced value)")
+    p.add_argument("--experts", type=int, default=0, help="routed experts E per layer: a mixture of experts (gated "
+                                                           "MLPs; default 0: dense)")
+    p.add_argument("--top-k", type=int, default=0, help="experts per token k (with --experts)")
+    p.add_argument("--expert-ffn", type=int, default=0, help="each expert's hidden size f_e (default: --ffn)")
     p.add_argument("--batch", type=int, required=True, help="global batch B, in sequences")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs n = t p d")
     p.add_argument("--cluster", default="selene", help="selene | dgx2h | h100 | local | PATH.json")
-    for flag, what in (("tp", "tensor-parallel t"), ("pp", "pipeline-parallel p"), ("microbatch", "microbatch b")):
+    for flag, what in (("tp", "tensor-parallel t"), ("pp", "pipeline-parallel p"), ("microbatch", "microbatch b"),
+                       ("ep", "expert-parallel ranks among the d (a model with --experts)")):
         p.add_argument(f"--{flag}", type=int, default=0, help=f"pin {what} (default: search)")
     p.add_argument("--max-tp", type=int, default=0, help="largest t searched (default: GPUs per node)")
     p.add_argument("--no-paper-rule", action="store_true", help="do not force t = GPUs per node for big models")
@@ -83,7 +89,8 @@ def build_shape(args) -> ModelShape:
     for flag, default in PAPER_DEFAULTS.items():
         values.setdefault(flag, default)
     return ModelShape(layers=values["layers"], hidden=values["hidden"], heads=values["heads"], seq=values["seq"],
-                      vocab=values["vocab"], batch=args.batch, ffn_hidden=values.get("ffn") or 0)
+                      vocab=values["vocab"], batch=args.batch, ffn_hidden=values.get("ffn") or 0,
+                      experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn)
 
 
 def run_plan(args) -> int:
@@ -94,7 +101,7 @@ def run_plan(args) -> int:
         given = {**SEARCHED, **config_overrides(args)}
         searched = {k: given.pop(k) for k in SEARCHED}
         Config(**{k: v for k, v in {**searched, **given}.items() if v != "auto"})  # a bad value: its error, here
-        space = SearchSpace(tp=args.tp, pp=args.pp, microbatch=args.microbatch, max_tp=args.max_tp,
+        space = SearchSpace(tp=args.tp, pp=args.pp, microbatch=args.microbatch, max_tp=args.max_tp, ep=args.ep,
                             paper_rule=not args.no_paper_rule, precision=args.precision, **_space(searched))
         result = plan(shape, args.gpus, cluster, space)
     except ValueError as e:
@@ -131,7 +138,8 @@ def plan_json(result: PlanResult, days: float | None, config: dict | None = None
     out = result.best.as_dict()
     shape = result.shape
     out.update(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, vocab=shape.vocab,
-               batch=shape.batch, ffn_hidden=shape.ffn_hidden, params=parameters(shape),
+               batch=shape.batch, ffn_hidden=shape.ffn_hidden, experts=shape.experts, top_k=shape.top_k,
+               expert_ffn=shape.expert_ffn, params=parameters(shape),
                candidates=len(result.ranked), rejected={k: v[0] for k, v in result.rejected.items()})
     if days is not None:
         out["training_days"] = days
@@ -152,7 +160,8 @@ def fxpar_config(best) -> dict:
     config = {"microbatches": best.microbatches, "virtual_stages": c.vpp, "schedule": c.schedule,
               "scatter_gather": c.scatter_gather, "recompute": c.recompute, "zero": c.zero,
               "sequence_parallel": c.sequence_parallel, "mixed_precision": MIXED_PRECISION.get(precision)}
-    out = {"mesh": {"tp": c.tp, "pp": c.pp, "dp": c.dp}, "config": config, "batch": best.shape.batch,
+    mesh = {"tp": c.tp, "pp": c.pp, "dp": c.dp} | ({"ep": c.ep} if c.ep > 1 else {})
+    out = {"mesh": mesh, "config": config, "batch": best.shape.batch,
            "microbatch": c.microbatch}
     if precision == "paper":
         out["note"] = ("memory counted with the paper's fp16 gradients (20 B/param); fxpar's fp16 keeps fp32 main "
@@ -175,6 +184,10 @@ def format_plan(result: PlanResult, top: int, tokens: float | None, days: float 
         headers.insert(7, "seq-par")
         for row, e in zip(rows, result.ranked):
             row.insert(7, "on" if e.config.sequence_parallel else "off")
+    if shape.moe:  # expert parallelism: a column for a model with experts
+        headers.insert(3, "ep")
+        for row, e in zip(rows, result.ranked):
+            row.insert(3, e.config.ep)
     lines.append(tabulate(rows, headers=headers, tablefmt="simple"))
     lines.append(f"{len(result.ranked)} configurations fit; TFLOP/s counts Eq. 3 with the recomputation done "
                  f"(72 B s l h^2 (...) without, 96 B s l h^2 (...) with full recomputation)")

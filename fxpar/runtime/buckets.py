@@ -10,6 +10,11 @@ Two ways, per weight:
                     when the last microbatch's backward of its last chunk on this rank is done, and a full bucket is
                     all-reduced at once, asynchronously, while the rest of the flush runs.
 
+With expert parallelism (init_mesh(ep=E)) the weights split over the experts' ranks (`experts`) go in buckets of their
+own, all-reduced over the dp ranks that hold the same experts (the edp group) and divided by dp like every other
+gradient: each such rank's gradient already sums every ep rank's tokens routed to its experts, so the edp sum is the
+whole dp batch's.
+
 With the distributed optimizer (`zero`, fxpar/runtime/zero.py) a bucket is reduce-scattered instead: each dp rank
 receives the pieces of the gradients it owns ([Note: pieces]). Gradients are read and written through `grads`
 (fxpar/runtime/precision.py Grads: the main gradients under mixed precision), reduced in `reduce_dtype`.
@@ -54,8 +59,10 @@ class GradBuckets:
     """Data-parallel gradient reduction of one step (see the module docstring). programs: chunk -> ChunkBuckets."""
 
     def __init__(self, params_of_chunk: dict[int, list], groups, bucket_bytes: float, grads, zero=None,
-                 reduce_dtype: torch.dtype | None = None, programs: dict[int, ChunkBuckets] | None = None):
+                 reduce_dtype: torch.dtype | None = None, programs: dict[int, ChunkBuckets] | None = None,
+                 experts: frozenset = frozenset()):
         self.g, self.cap, self.grads, self.zero, self.dtype = groups, bucket_bytes, grads, zero, reduce_dtype
+        self.experts = experts  # ids of the parameters split over ep: reduced over the edp group
         self.programs = programs or {}
         in_program = {p for cb in self.programs.values() for p in cb.params.values()}
         self.params_of_chunk = {c: [p for p in ps if p not in in_program] for c, ps in params_of_chunk.items()}
@@ -66,7 +73,7 @@ class GradBuckets:
         self.reset()
 
     def reset(self) -> None:
-        self.left, self.bucket, self.size, self.launched = dict(self.uses), [], 0, []
+        self.left, self.pending, self.launched = dict(self.uses), {False: ([], 0), True: ([], 0)}, []
         self.handles, self.filled = [], set()
 
     def start(self, m: int, warm=frozenset()) -> None:
@@ -108,38 +115,46 @@ class GradBuckets:
                 self._add(p)
 
     def _add(self, p: torch.Tensor) -> None:
-        grad = self.grads.get(p)
-        self.bucket.append(p)
-        self.size += grad.numel() * grad.element_size()
-        if self.size >= self.cap:
-            self._launch()
+        grad, expert = self.grads.get(p), id(p) in self.experts
+        bucket, size = self.pending[expert]
+        bucket.append(p)
+        self.pending[expert] = (bucket, size + grad.numel() * grad.element_size())
+        if self.pending[expert][1] >= self.cap:
+            self._launch(expert)
 
-    def _launch(self) -> None:
-        if not self.bucket:
+    def _launch(self, expert: bool) -> None:
+        bucket = self.pending[expert][0]
+        self.pending[expert] = ([], 0)
+        if not bucket:
             return
-        if self.zero is not None:
-            flat = self.zero.layout(self.bucket)  # fp32 at least; float64 stays float64
+        if expert:
+            flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
+            flat = flat.to(self.dtype or flat.dtype)
+            work = dist.all_reduce(flat, group=self.g.edp_group, async_op=True) if self.g.edp > 1 else None
+            self.launched.append((work, flat, bucket))
+        elif self.zero is not None:
+            flat = self.zero.layout(bucket)  # fp32 at least; float64 stays float64
             flat = flat.to(self.dtype or torch.promote_types(flat.dtype, torch.float32))
             mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
             work = None if self.g.dp == 1 else \
                 dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)
-            self.launched.append((work, mine, self.bucket))
+            self.launched.append((work, mine, bucket))
         else:
-            flat = torch.cat([self.grads.get(p).reshape(-1) for p in self.bucket])
+            flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
             flat = flat.to(self.dtype or flat.dtype)
-            self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, self.bucket))
-        self.bucket, self.size = [], 0
+            self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, bucket))
 
     def finish(self) -> None:
         self._from_programs()
         if self.g.dp == 1 and self.zero is None:
             self.reset()
             return
-        self._launch()
+        self._launch(False)
+        self._launch(True)
         for work, flat, params in self.launched:
             if work is not None:
                 work.wait()
-            if self.zero is not None:
+            if self.zero is not None and id(params[0]) not in self.experts:
                 sizes = [piece_size(p.numel(), self.g.dp) for p in params]
                 self.zero.receive(params, flat.split(sizes))
                 continue

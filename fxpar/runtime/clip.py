@@ -7,9 +7,10 @@ max_norm / (norm + 1e-6) when that is below 1; returns the total norm.
     replicated weight is the same on every tp rank ([Note: replicated means identical]: counted on tp rank 0 only, as
     are a weight's whole parts), a weight tied across pipeline stages has one owner of record (counted there only), and
     the data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp; with
-    the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). So each
-    rank sums |g|^p over what it counts, the sum is all-reduced over tp and pp, and every rank scales all the gradients
-    it holds by the same coefficient, which keeps the replicas identical.
+    the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). With
+    expert parallelism each ep rank holds other experts (counted on every ep rank) and the same everything else
+    (counted on ep rank 0). So each rank sums |g|^p over what it counts, the sum is all-reduced over tp, ep and pp,
+    and every rank scales all the gradients it holds by the same coefficient, which keeps the replicas identical.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import torch.distributed as dist
 def _counted_here(pm, key: str) -> bool:
     if key not in pm.rank.specs and pm.rank.comm.rank != 0:
         return False  # replicated over tp: tp rank 0 counts it
+    w = pm.rank.weights
+    if w.ep is not None and w.ep.size > 1 and not w.expert(key) and w.ep.rank != 0:
+        return False  # the same on every ep rank: ep rank 0 counts it (each rank counts its own experts)
     tied = pm.rank.replica_groups.get("tied", {}).get(key)
     return tied is None or dist.get_rank() == min(dist.get_process_group_ranks(tied))
 
@@ -72,6 +76,8 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     total = local.reshape(1).clone()
     groups = [pm.rank.replica_groups.get("tp")] + ([pm.rank.groups.dp_group] if zero is not None else [])
     layout = pm.rank.groups
+    if layout is not None and layout.ep > 1:
+        groups.append(layout.ep_group)
     if layout is not None and layout.pp > 1:
         groups.append(layout.pp_group)
     for group in groups:

@@ -76,7 +76,8 @@ class ParallelModule(nn.Module):
         mesh: the decoded mesh (fxpar/mesh.py decode_mesh); pipeline: a pipeline rank, which keeps it as rank.groups."""
         super().__init__()
         self.rank = RankState(compiled.target.comm, compiled.target.streams, Programs(compiled, model.training),
-                              {} if mesh is None else {"tp": mesh.tp_group, "dp": mesh.dp_group})
+                              {} if mesh is None else {"tp": mesh.tp_group, "dp": mesh.dp_group,
+                                                       "edp": mesh.edp_group, "ep": mesh.ep_group})
         originals = dict(model.named_parameters(remove_duplicate=False))
         originals.update(dict(model.named_buffers(remove_duplicate=False)))
         aliases = compiled.aliases  # every original key -> the key its tensor is registered under
@@ -84,6 +85,7 @@ class ParallelModule(nn.Module):
         self.rank.spelling = model if has_state_hooks(model) else None
         specs = {aliases[k]: s for k, s in compiled.specs.items()}  # tied keys share one shard
         owned = None if used_keys is None else {aliases[k] for k in used_keys}
+        ep, experts = compiled.target.ep, {aliases[k] for k in compiled.expert_keys}
         slots, unloaded = {}, set()
         for key, reg in aliases.items():
             if key != reg or (owned is not None and key not in owned):
@@ -92,6 +94,8 @@ class ParallelModule(nn.Module):
             local = tensor.detach()
             if key in specs:
                 local = local_shard(local, specs[key], self.rank.comm.rank, self.rank.comm.size)
+            if key in experts:  # this rank's experts (passes/experts/expert_parallel.py)
+                local = local.chunk(ep.size)[ep.rank]
             if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
                 local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
                 unloaded.add(key)
@@ -103,7 +107,8 @@ class ParallelModule(nn.Module):
             slots[key] = (holder, leaf)
         self.rank.weights = RankWeights(
             tuple(keys), aliases, {k: tuple(originals[k].shape) for k in keys}, specs,
-            {key: slots[reg] for key, reg in aliases.items() if reg in slots}, unloaded)
+            {key: slots[reg] for key, reg in aliases.items() if reg in slots}, unloaded, experts=frozenset(experts),
+            ep=ep)
         self.train(model.training)
         mp = compiled.config.mixed_precision  # [Note: mixed precision] in fxpar/runtime/precision.py
         self.rank.weights.grads = Grads(list(trainable(self).values()), main=mp is not None)
@@ -254,13 +259,18 @@ class ParallelModule(nn.Module):
                 local = w.live[key].detach()
                 spec = w.specs.get(reg)
                 full[reg] = unshard(self.rank.comm.all_gather(local), spec) if spec else local.clone()
+                if reg in w.experts:  # every rank's experts, in rank order
+                    full[reg] = torch.cat(w.ep.all_gather(full[reg]))
             full[key] = full[reg]
         return full
 
     def _weight_shards(self) -> list[WeightShard]:
         w = self.rank.weights
-        return [WeightShard(key, w.shapes[key], str(w.spec(key)) if w.spec(key) else "R", tuple(w.live[key].shape))
-                for key in w.held_keys()]  # another pipeline stage's keys are its own
+        def placement(key: str) -> str:
+            tp = str(w.spec(key)) if w.spec(key) else "R"
+            return f"{tp}, experts S(0) over ep={w.ep.size}" if w.expert(key) else tp
+
+        return [WeightShard(key, w.shapes[key], placement(key), tuple(w.live[key].shape)) for key in w.held_keys()]  # another pipeline stage's keys are its own
 
 
 def call_inputs(pm: ParallelModule, args, kwargs) -> tuple[list, list]:

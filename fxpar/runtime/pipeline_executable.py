@@ -217,10 +217,11 @@ class PipelineModule(ParallelModule):
             raise ValueError("fxpar: Config(zero=1) shards the optimizer over dp, and step() reduce-scatters the "
                              "gradients into its pieces. Fix: make the optimizer with pm.optimizer(torch.optim.AdamW, "
                              "...) before the first step.")
-        mp, scaler = self.config.mixed_precision, self.rank.scaler
+        mp, scaler, w = self.config.mixed_precision, self.rank.scaler, self.rank.weights
         buckets = GradBuckets(self._chunk_params(stage), self.rank.groups, self.config.bucket_mb * 2**20,
                               self.rank.weights.grads, zero, mp.reduce_dtype if mp is not None else None,
-                              self._program_buckets(stage))
+                              self._program_buckets(stage),
+                              frozenset(id(w.live[k]) for k in w.held_keys() if w.expert(k)))
         loss = Runtime(stage, stage.program.program, self.rank.groups, p2p, buckets, self.rank.stats,
                        scaler.scale if scaler is not None else None).run(micro, targets, weights)
         for key, group in self._tied.items():

@@ -11,13 +11,15 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import warnings
 
 import torch
 import torch.utils._pytree as pytree
 
-from fxpar.compiler import Compiled, Target, compile_model
+from fxpar.compiler import Compiled, compile_model
 from fxpar.programs import JointRequest
 from fxpar.runtime.joint_runner import JointRunner
 from fxpar.runtime.ownership import traceable
@@ -136,8 +138,8 @@ class Programs:
             loss = (self.loss_fn, target)
         target = first.target
         if target.pipelined:
-            target = Target(target.comm, target.pp, True, target.streams,
-                            tuple(c.layers for c in first.partition.chunks))
+            target = dataclasses.replace(target, pipelined=True,
+                                         chunk_layers=tuple(c.layers for c in first.partition.chunks))
         model, was_training = first.model, first.model.training
         # a buffer this rank does not hold (another stage's, or one no chunk read) keeps the model's value
         buffers = {**dict(model.named_buffers(remove_duplicate=False)), **buffers}

@@ -66,7 +66,10 @@ def check_replicas(pm, grads: bool = False) -> None:
     for kind, tensors in checks:
         replicated = [(k, t) for k, t in tensors.items() if k not in pm.rank.specs]
         _compare(replicated, pm.rank.replica_groups.get("tp"), kind)
-        _compare(list(tensors.items()), pm.rank.replica_groups.get("dp"), kind)
+        experts = [(k, t) for k, t in tensors.items() if pm.rank.weights.expert(k)]  # the same on their edp ranks
+        _compare([(k, t) for k, t in tensors.items() if not pm.rank.weights.expert(k)],
+                 pm.rank.replica_groups.get("dp"), kind)
+        _compare(experts, pm.rank.replica_groups.get("edp"), kind)
         for key, group in pm.rank.replica_groups.get("tied", {}).items():
             if key in tensors:
                 _compare([(key, tensors[key])], group, kind)

@@ -48,6 +48,7 @@ class RankWeights:
     slots     key -> (holder module, attribute) of each tensor this rank holds (another stage's keys are absent)
     live      key -> the tensor its holder holds now
     unloaded  registered keys built on the meta device that no load has filled yet
+    experts   registered keys split along their expert dim (0) over the ep group (`ep`: rank, size, group)
     grads     where each trainable parameter's gradient is (its .grad, or an fp32 main gradient)
     """
 
@@ -58,6 +59,12 @@ class RankWeights:
     slots: dict[str, tuple[nn.Module, str]]
     unloaded: set[str] = field(default_factory=set)
     grads: Grads | None = None
+    experts: frozenset = frozenset()
+    ep: object = None  # the ep group's TPComm where `experts` is not empty
+
+    def expert(self, key: str) -> bool:
+        """Whether key's tensor is split over the experts' ranks (this rank holds 1/ep of its experts)."""
+        return self.aliases.get(key, key) in self.experts
 
     def __post_init__(self):
         self.live = LiveState(self.slots)
@@ -126,6 +133,8 @@ def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool,
                 continue  # another stage's, or a tied alias already loaded
             done.add(pm.rank.weights.aliases[key])
             pm.rank.weights.mark_loaded(key)
+            if pm.rank.weights.expert(key) and value.shape[:1] == pm.rank.weights.shapes[key][:1]:
+                value = value.chunk(pm.rank.weights.ep.size)[pm.rank.weights.ep.rank]  # this rank's experts
             local = _local_value(key, value, pm.rank.weights.spec(key), pm.rank.weights.live[key], pm.rank.comm)
             holder, leaf = pm.rank.weights.slots[key]
             current = pm.rank.weights.live[key]

@@ -32,6 +32,7 @@ class Plan:
     comm_cluster: str = ""  # the cluster whose rates program_comm's times are estimated with
     loss: str = ""  # how step() weights the microbatch losses ([Note: whole-batch semantics])
     programs: str = ""  # how the chunks run where fxpar chose it (Config.joint_graph=None with compile), and why
+    experts: tuple[str, ...] = ()  # the MoE layers' expert chains and how they are split (passes/experts/)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -98,6 +99,7 @@ class Plan:
         text += f"\n\nloss: {self.loss}" if self.loss else ""
         text += f"\n\nprograms: {self.programs}" if self.programs else ""
         text += "\n\n" + "\n".join(self.sequence) if self.sequence else ""
+        text += "\n\n" + "\n".join(self.experts) if self.experts else ""
         text += f"\n\nactivation collectives per layer, each under the pass that runs it\n{self.comm_table()}" if any(
             c.forward or c.backward or c.small for c in self.comm) else ""
         text += ("\n\ncollectives per layer in the joint programs (outside them: pipeline sends; dp buckets no program "
@@ -108,15 +110,15 @@ class Plan:
 
 def make_plan(analysis: Analysis, weights: list[WeightShard], partition=None, pp: int = 1, loss_note: str = "",
               tp_graph=None, sequence: tuple[str, ...] = (), program_comm: tuple[ProgramComm, ...] = (),
-              comm_cluster: str = "", loss: str = "", programs: str = "") -> Plan:
+              comm_cluster: str = "", loss: str = "", programs: str = "", experts: tuple[str, ...] = ()) -> Plan:
     """The plan of one rank. `partition` (a pipeline's chunks) adds the stage table; loss_note: why a loss_fn was
     not traced with the model (fxpar/trace.py); tp_graph (the graph after tensor parallelism) adds each layer's
     collectives; program_comm, those the joint programs run (passes/joint/comm_table.py); loss: how step() weights
-    the microbatch losses; programs: how the chunks run, where fxpar chose it."""
+    the microbatch losses; programs: how the chunks run, where fxpar chose it; experts: the MoE layers' lines."""
     stages = () if partition is None else tuple(
         (c.index, c.index % pp, c.layers, tuple(b.name for b in c.boundary_out)) for c in partition.chunks)
     logits = "; ".join(r.logits.rstrip("; ") for r in analysis.regions if r.logits)
     logits = "; ".join(x for x in (logits, loss_note) if x)
     comm = audit(tp_graph) if tp_graph is not None and analysis.t > 1 else ()
     return Plan(analysis.t, tuple(analysis.regions), tuple(weights), stages, logits, comm, tuple(sequence),
-                tuple(program_comm), comm_cluster, loss, programs)
+                tuple(program_comm), comm_cluster, loss, programs, tuple(experts))
