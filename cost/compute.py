@@ -67,9 +67,9 @@ def elementwise_seconds(nbytes: float, kernels: int, cluster: Cluster) -> float:
 
 
 def expert_split(t: int, ep: int) -> int:
-    """How many ways each expert's columns are split: over tp without expert parallelism, whole with it (each
-    expert on one rank of the ep group)."""
-    return t if ep == 1 else 1
+    """How many ways each expert's columns are split: over tp, with or without expert parallelism (fxpar's expert
+    tensor parallelism is tp; ep splits the experts themselves)."""
+    return t
 
 
 def layer_gemms(shape: ModelShape, b: int, t: int, ep: int = 1) -> tuple[list[Gemm], list[Gemm]]:
@@ -79,7 +79,7 @@ def layer_gemms(shape: ModelShape, b: int, t: int, ep: int = 1) -> tuple[list[Ge
     the attention core runs a/t heads of [s, h/a] x [h/a, s] and [s, s] x [s, h/a]. With experts, fc1 and fc2
     are the router (replicated) and the experts' gate|up and down GEMMs over the k b s rows routed to this rank's
     experts (the mean: with ep ranks each holds E/ep experts and receives k b s of the group's ep k b s rows), each
-    expert's columns split over t without expert parallelism (`expert_split`).
+    expert's columns split over t (`expert_split`).
     """
     s, h, f, a, hd = shape.seq, shape.hidden, shape.ffn_hidden, shape.heads, shape.head_dim
     rows = b * s

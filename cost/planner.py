@@ -6,7 +6,7 @@ v chunks per device, m = B / (d b) microbatches per pipeline, l layers, a heads,
 Rules (a candidate breaking one is rejected, and the reason counted with an example):
   t <= GPUs per node (by default), a % t == 0, t p d = GPUs, l >= p v (fxpar balances uneven layers, so
   l % (p v) == 0 is not required), B % (d b) == 0, interleaving needs m % p == 0, memory fits; with experts,
-  ep divides d and E, and ep > 1 needs t = 1 (how fxpar runs expert parallelism).
+  ep divides d and E.
 Paper rule (PTD-P takeaway 1): when no configuration with t p <= GPUs per node fits in memory, the model
 does not fit in one node; then t = GPUs per node and the pipeline spans nodes.
 """
@@ -27,7 +27,7 @@ REASONS = {
     "interleave": "interleaved needs microbatches % pp == 0",
     "memory": "out of memory",
     "paper_rule": "paper rule: model needs more than one node, so tp = GPUs per node",
-    "experts": "ep must divide dp, and ep > 1 runs with tp = 1 and zero = 0",
+    "experts": "ep must divide dp",
 }
 
 
@@ -115,11 +115,11 @@ def check_pins(shape: ModelShape, gpus: int, space: SearchSpace) -> None:
                                                  if shape.moe else "the model has no experts (--experts E)"))
 
 
-def _eps(shape: ModelShape, t: int, d: int, space: SearchSpace) -> list[int]:
-    """The ep values to try at (t, d): the pinned one, or every divisor of both d and E (only 1 at t > 1)."""
+def _eps(shape: ModelShape, d: int, space: SearchSpace) -> list[int]:
+    """The ep values to try at d: the pinned one, or every divisor of both d and E."""
     if space.ep:
         return [space.ep]
-    return [e for e in divisors(d) if shape.experts % e == 0 and (e == 1 or t == 1)] if shape.moe else [1]
+    return [e for e in divisors(d) if shape.experts % e == 0] if shape.moe else [1]
 
 
 def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpace):
@@ -159,8 +159,8 @@ def _candidates(shape: ModelShape, gpus: int, cluster: Cluster, space: SearchSpa
                         for mode in space.recompute:
                             for zero in sorted({z for z in space.zero if z == 0 or d > 1}) or [0]:
                                 for sp in sorted({s for s in space.sequence_parallel if not s or t > 1}) or [False]:
-                                    for ep in _eps(shape, t, d, space):
-                                        if d % ep or (ep > 1 and (t > 1 or zero)):
+                                    for ep in _eps(shape, d, space):
+                                        if d % ep:
                                             yield "experts", ParallelConfig(**base)
                                             continue
                                         yield None, ParallelConfig(**base, recompute=mode, zero=zero,

@@ -13,7 +13,7 @@ Iteration time:
              their tensor-parallel all-reduces (and, with expert parallelism, each MoE layer's four all-to-alls:
              dispatch and combine, forward and backward), the LM head on the last stage, and 2 v pipeline sends.
 Expert parallelism (ep ranks among the d, adjacent as Megatron-Core places them): each rank holds E/ep of every
-layer's experts, whole (expert tensor parallelism 1, as fxpar runs it: ep needs t = 1), and reduces their
+layer's experts (each split over t as without ep: fxpar's expert tensor parallelism is t), and reduces their
 gradients over the d/ep ranks that hold the same experts; the rest of the model over all d.
 Overlap assumptions (Megatron-LM as of PTD-P, 2021):
   - tensor-parallel all-reduces block the compute that needs their result: no overlap;
@@ -111,9 +111,8 @@ def check_config(shape: ModelShape, config: ParallelConfig) -> int:
     if shape.ffn_hidden % t:
         near = ", ".join(map(str, nearby_divisors(shape.ffn_hidden, t)))
         raise ValueError(f"--tp {t}: ffn hidden {shape.ffn_hidden} not divisible by {t}; nearby valid: {near}")
-    if config.ep > 1 and (not shape.moe or shape.experts % config.ep or t > 1):
-        why = ("the model has no experts" if not shape.moe else f"experts {shape.experts} not divisible by "
-               f"{config.ep}" if shape.experts % config.ep else "expert parallelism runs with tp=1")
+    if config.ep > 1 and (not shape.moe or shape.experts % config.ep):
+        why = "the model has no experts" if not shape.moe else f"experts {shape.experts} not divisible by {config.ep}"
         raise ValueError(f"--ep {config.ep}: {why}; nearby valid: --ep 1"
                          + (f" or one dividing both {shape.experts} and dp {d}" if shape.moe else ""))
     if shape.layers < p * v:
@@ -244,7 +243,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: Cluster, cache:
     stage = stage_compute + stage_tp + p2p
     bubble = bubble_fraction(config.schedule, p, m, v)
     params = max(stage_parameters(shape, stages, i, t, config.ep) for i in range(p))
-    experts = max(stages) * expert_parameters(shape) / config.ep if config.ep > 1 else 0.0  # reduced over d/ep
+    experts = max(stages) * expert_parameters(shape) / (config.ep * t) if config.ep > 1 else 0.0  # over d/ep
     edp_per_node = math.gcd(d // config.ep, max(1, dp_per_node // config.ep))
     parts = {"compute": m * stage_compute, "tp_comm": m * stage_tp, "p2p": m * p2p,
              "bubble": (p - 1) / v * stage,

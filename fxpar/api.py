@@ -23,12 +23,13 @@ from fxpar.runtime.pipeline_executable import PipelineModule
 
 def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kwargs: dict | None = None,
           mesh=None, config: Config | None = None, loss_fn=None, pp: int = 1, traced=None,
-          example_target=None) -> ParallelModule:
+          example_target=None, ep: int = 1) -> ParallelModule:
     """Compile `model` for the rank described by `comm` (None: the mesh's) and return its executable.
 
     With a mesh and a loss_fn, the result is a PipelineModule (train it with step()); otherwise a ParallelModule,
     and no mesh is needed (a simulated rank when comm has no group). `pp` is the pipeline size when there is no
-    mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule.
+    mesh (`fxpar show --pp`): the chunks, program and proof are made, and no PipelineModule; `ep` the expert-parallel
+    size without a mesh (`fxpar show --ep`): ep rank 0's experts and their dispatch, simulated (nothing runs).
     traced: a trace of this model to reuse instead of tracing again (see compiler.compile_model).
     example_target: one microbatch's target; with a loss_fn, the loss is traced with the model now (else at the first
     step, from its target: [Note: the loss is traced] in fxpar/trace.py)."""
@@ -44,15 +45,19 @@ def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kw
     streams = _streams(config, comm, groups, example_args)
     loss = (loss_fn, example_target) if loss_fn is not None and example_target is not None and traced is None \
         else None
-    ep = groups.ep_comm if groups is not None else TPComm(rank=0, size=1)
+    ep = groups.ep_comm if groups is not None else TPComm(rank=0, size=ep)
     if ep.size > 1:
-        _check_expert_parallel(config, groups)
+        _check_expert_parallel(config, ep.size)
     compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams, ep=ep), config,
                              traced=traced, loss=loss)
     if loss_fn is not None and groups is not None:
         pm = PipelineModule(model, compiled, groups, loss_fn)
     else:
         pm = ParallelModule(model, compiled, mesh=groups)
+    if ep.size > 1 and not compiled.experts.chains:
+        warnings.warn(
+            f"fxpar: found no experts to split over ep={ep.size} in {type(model).__name__}: every rank holds every "
+            "expert. The plan says why each grouped GEMM was left as it is.", stacklevel=3)
     if comm.size > 1 and not pm.plan.sharded_regions:
         warnings.warn(
             f"fxpar: found nothing to shard in {type(model).__name__} at t={comm.size}; it runs replicated on "
@@ -62,17 +67,16 @@ def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kw
     return pm
 
 
-def _check_expert_parallel(config: Config, groups: Groups) -> None:
+def _check_expert_parallel(config: Config, ep: int) -> None:
     """What expert parallelism does not compose with yet: a clear error, not a silent difference."""
     other = [what for what, on in (
-        (f"tp={groups.tp}", groups.tp > 1),
-        ("Config(zero=1)", bool(config.zero)), ("Config(compile=True)", config.compile),
+        ("Config(compile=True)", config.compile),
         ("Config(joint_graph=True)", bool(config.joint_graph))) if on]
     if other:
         raise ValueError(
-            f"fxpar: expert parallelism (ep={groups.ep}) does not run with {', '.join(other)} yet (compiled programs: "
-            "the rows each rank's experts receive are known only at run time). Fix: use ep with dp (and pp), tp=1, "
-            "zero=0 and without compile, or ep=1 (the experts are then split the tensor-parallel way).")
+            f"fxpar: expert parallelism (ep={ep}) does not run with {', '.join(other)} yet (compiled programs: "
+            "the rows each rank's experts receive are known only at run time). Fix: use ep without compile, or ep=1 "
+            "(the experts are then split the tensor-parallel way).")
 
 
 def _check_meta_buffers(model: nn.Module) -> None:

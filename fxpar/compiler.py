@@ -385,6 +385,8 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("sequence_parallel", "gm", _sequence_parallel),  # g -> reduce-scatter, f -> all-gather, ops on sequence blocks
     ("sequence_shapes", "gm", _sequence_shapes),  # this rank's fake values again, on sequence blocks
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
+    ("experts", "experts", lambda c: find_experts(c.gm)),  # the expert chains (passes/experts/find.py)
+    ("expert_parallel", "gm", _expert_parallel),  # each chain on the rows of this rank's experts (init_mesh(ep=E))
     ("state_values", "state_values", _state_values),  # buffer values the fusions may prove masks from
     ("joint", "joint", _joint),  # the joint programs (Config.joint_graph; none: with compile, where they apply)
     ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)
@@ -396,8 +398,6 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("random_streams", "gm", _random_streams),  # every random op on its stream: replicated or sharded
     ("recompute", "gm", _recompute),  # checkpointed layers or attention cores (Config.recompute)
     ("in_place", "gm", _in_place),  # f and g all-reduce in place where nothing else reads the tensor
-    ("experts", "experts", lambda c: find_experts(c.gm)),  # the expert chains (passes/experts/find.py)
-    ("expert_parallel", "gm", _expert_parallel),  # each chain on the rows of this rank's experts (init_mesh(ep=E))
     ("partition", "partition", _partition),  # p*v chunks at layer boundaries (one chunk without a pipeline)
     ("schedule", "schedule", _schedule),  # GPipe / 1F1B / interleaved 1F1B compute actions per pp rank
     ("lower", "program", _lower),  # sends, early-posted receives, message tags

@@ -27,6 +27,18 @@ def plan_of(program: Compiled, shards: list[WeightShard], joint: list, dp: list,
                      _experts(program))
 
 
+def _rows_bytes(chain, ep: int, how: str) -> str:
+    """What one microbatch's rows weigh: the chain's input and output rows on this rank, and what a dispatch of them
+    moves (all-to-all: (ep-1)/ep of them leave the rank under even routing; all-gather: every other rank's)."""
+    x, y = chain.x.meta["val"], chain.out.meta["val"]
+    size = [t.numel() * t.element_size() for t in (x, y)]
+    moved = [n * (ep - 1) / ep if how == "alltoall" else n * (ep - 1) for n in size]
+    return (f"rows in {'x'.join(map(str, x.shape))} {str(x.dtype).removeprefix('torch.')} ({size[0] / 2**10:.1f} KiB), "
+            f"out {'x'.join(map(str, y.shape))} ({size[1] / 2**10:.1f} KiB) per microbatch; each way the dispatch "
+            f"moves {moved[0] / 2**10:.1f} KiB in and {moved[1] / 2**10:.1f} KiB out per rank"
+            + (" under even routing" if how == "alltoall" else ""))
+
+
 def _experts(program: Compiled) -> tuple[str, ...]:
     """The MoE layers: how their experts are split (expert parallelism, init_mesh(ep=E)), or why not."""
     found, ep = program.experts, program.target.ep.size
@@ -36,6 +48,7 @@ def _experts(program: Compiled) -> tuple[str, ...]:
             f"{program.config.ep_dispatch})" if ep > 1 else
             "experts: every rank holds every expert (init_mesh(ep=E) splits them over E of the dp ranks)")
     share = f"1/{ep}" if ep > 1 else "all"
-    ledger = [f"  collectives per MoE layer and microbatch: {ledger_line(program.config.ep_dispatch)}"] \
+    ledger = [f"  collectives per MoE layer and microbatch: {ledger_line(program.config.ep_dispatch)}",
+              *(f"  {c.module}: {_rows_bytes(c, ep, program.config.ep_dispatch)}" for c in found.chains)] \
         if ep > 1 and found.chains else []
     return (head.format(share), *(f"  {line}" for line in found.lines()), *ledger)

@@ -20,7 +20,7 @@ CONFIG_FLAGS = ["--microbatches", "--virtual-stages", "--vpp", "--schedule", "--
 FLAGS = {
     "check": ["--tp", "--pp", "--dp", "--ep", "--precision", "--steps", "--lr", "--seed",
               *[f for f in CONFIG_FLAGS if f not in ("--seed", "--mixed-precision")]],  # the check's own seed, precision
-    "show": ["--tp", "--rank", "--format", "--pp", "--chunk", *CONFIG_FLAGS],
+    "show": ["--tp", "--rank", "--format", "--pp", "--chunk", "--ep", *CONFIG_FLAGS],
     "plan": ["--layers", "--hidden", "--heads", "--seq", "--vocab", "--ffn", "--experts", "--top-k", "--expert-ffn",
              "--batch", "--gpus", "--cluster", "--tp", "--pp", "--microbatch", "--ep", "--max-tp", "--no-paper-rule", "--precision",
              # m follows from b, the schedule from v, the precision is --precision's; --sequence-parallel takes a value

@@ -18,9 +18,9 @@ def test_the_stage_list_is_the_whole_compiler():
         "trace", "normalization", "working_copy", "aliases", "merge_aliases", "context_regions", "drop_asserts",
         "view_as", "fresh_in_place", "cross_entropy", "gemm_forms", "unfuse",
         "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "sequence_analysis",
-        "sequence_parallel", "sequence_shapes", "keep_tp_graph",
+        "sequence_parallel", "sequence_shapes", "keep_tp_graph", "experts", "expert_parallel",
         "state_values", "joint", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "gelu", "assumed",
-        "gathered_gemms", "random_streams", "recompute", "in_place", "experts", "expert_parallel",
+        "gathered_gemms", "random_streams", "recompute", "in_place",
         "partition", "schedule", "lower", "prove", "compile", "expected_state"]
     assert all(product is None or product in Compiled.__dataclass_fields__ for _, product, _ in STAGES)
 

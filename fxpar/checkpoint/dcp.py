@@ -243,12 +243,12 @@ def set_optimizer_tensors(pm, optimizer, tensors: dict[str, dict[str, torch.Tens
     """Install loaded optimizer tensors (see optimizer_tensors): main parameters copied in (from the loaded weights
     where the checkpoint has none), state replacing the optimizer's."""
     from fxpar.runtime.optim import MainParamsOptimizer, trainable
-    from fxpar.runtime.zero import DistributedOptimizer, pieces
-
-    def mine(t):  # this dp rank's piece ([Note: pieces] in fxpar/runtime/zero.py)
-        return pieces(t.reshape(-1), optimizer.d)[optimizer.r].clone() if t.dim() else t
+    from fxpar.runtime.zero import DistributedOptimizer
 
     for key, p in trainable(pm).items():
+        def mine(t):  # this rank's piece ([Note: pieces] in fxpar/runtime/zero.py)
+            return optimizer.piece(p, t) if t.dim() else t
+
         states = dict(tensors.get(key, {}))
         main = states.pop("main", None)
         if main is None:

@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
                    help="table: nodes and plan; code: annotated Python; dot: Graphviz (default table)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages p (default 1)")
     p.add_argument("--chunk", type=int, default=None, help="show one pipeline chunk, 0..p*v-1")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks: show ep rank 0's experts and their "
+                                                     "dispatch (default 1)")
     add_config_flags(p, defaults={"microbatches": "p with a pipeline, else 1", "schedule": "the one for v"})
     p.set_defaults(func=run)
 
@@ -148,8 +150,8 @@ def _chunk_title(chunk, args, part) -> str:
 
 
 def run(args) -> int:
-    if args.tp < 1 or not 0 <= args.rank < args.tp:
-        print(f"fxpar show: error: --rank {args.rank} must be in [0, {args.tp}) and --tp >= 1")
+    if args.tp < 1 or not 0 <= args.rank < args.tp or args.ep < 1:
+        print(f"fxpar show: error: --rank {args.rank} must be in [0, {args.tp}), --tp >= 1 and --ep >= 1")
         return 2
     given = config_overrides(args)
     vpp = given.get("virtual_stages", 1)
@@ -165,8 +167,8 @@ def run(args) -> int:
         return 2
     model, ex_args, ex_kwargs = load_target(args.target)
     pm = build(model, TPComm(rank=args.rank, size=args.tp), ex_args, ex_kwargs, config=config,
-               pp=args.pp if pipelined else 1)
-    where = f"{args.target}: tp rank {args.rank} of {args.tp}"
+               pp=args.pp if pipelined else 1, ep=args.ep)
+    where = f"{args.target}: tp rank {args.rank} of {args.tp}" + (f", ep rank 0 of {args.ep}" if args.ep > 1 else "")
     compiled = pm.compiled
     if args.chunk is not None:
         chunk = compiled.partition.chunks[args.chunk]

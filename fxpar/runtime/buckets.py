@@ -127,18 +127,18 @@ class GradBuckets:
         self.pending[expert] = ([], 0)
         if not bucket:
             return
-        if expert:
+        if self.zero is not None:
+            n, _, group = self.zero.split(bucket[0])  # dp, or edp for the experts'
+            flat = self.zero.layout(bucket)  # fp32 at least; float64 stays float64
+            flat = flat.to(self.dtype or torch.promote_types(flat.dtype, torch.float32))
+            mine = flat if n == 1 else flat.new_empty(flat.numel() // n)
+            work = None if n == 1 else dist.reduce_scatter_single(mine, flat, group=group, async_op=True)
+            self.launched.append((work, mine, bucket))
+        elif expert:
             flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
             flat = flat.to(self.dtype or flat.dtype)
             work = dist.all_reduce(flat, group=self.g.edp_group, async_op=True) if self.g.edp > 1 else None
             self.launched.append((work, flat, bucket))
-        elif self.zero is not None:
-            flat = self.zero.layout(bucket)  # fp32 at least; float64 stays float64
-            flat = flat.to(self.dtype or torch.promote_types(flat.dtype, torch.float32))
-            mine = flat if self.g.dp == 1 else flat.new_empty(flat.numel() // self.g.dp)
-            work = None if self.g.dp == 1 else \
-                dist.reduce_scatter_single(mine, flat, group=self.g.dp_group, async_op=True)
-            self.launched.append((work, mine, bucket))
         else:
             flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
             flat = flat.to(self.dtype or flat.dtype)
@@ -154,8 +154,8 @@ class GradBuckets:
         for work, flat, params in self.launched:
             if work is not None:
                 work.wait()
-            if self.zero is not None and id(params[0]) not in self.experts:
-                sizes = [piece_size(p.numel(), self.g.dp) for p in params]
+            if self.zero is not None:
+                sizes = [piece_size(p.numel(), self.zero.split(p)[0]) for p in params]
                 self.zero.receive(params, flat.split(sizes))
                 continue
             flat /= self.g.dp

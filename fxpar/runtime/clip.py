@@ -9,7 +9,8 @@ max_norm / (norm + 1e-6) when that is below 1; returns the total norm.
     the data-parallel replicas hold equal gradients after step()'s all-reduce (counted once: no reduction over dp; with
     the distributed optimizer each dp rank holds its own pieces, and their sums are all-reduced over dp too). With
     expert parallelism each ep rank holds other experts (counted on every ep rank) and the same everything else
-    (counted on ep rank 0). So each rank sums |g|^p over what it counts, the sum is all-reduced over tp, ep and pp,
+    (counted on ep rank 0; with the distributed optimizer every dp rank's pieces differ, and the dp sum counts
+    each once). So each rank sums |g|^p over what it counts, the sum is all-reduced over tp, ep and pp,
     and every rank scales all the gradients it holds by the same coefficient, which keeps the replicas identical.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _counted_here(pm, key: str) -> bool:
     if key not in pm.rank.specs and pm.rank.comm.rank != 0:
         return False  # replicated over tp: tp rank 0 counts it
     w = pm.rank.weights
-    if w.ep is not None and w.ep.size > 1 and not w.expert(key) and w.ep.rank != 0:
+    if pm.rank.zero is None and w.ep is not None and w.ep.size > 1 and not w.expert(key) and w.ep.rank != 0:
         return False  # the same on every ep rank: ep rank 0 counts it (each rank counts its own experts)
     tied = pm.rank.replica_groups.get("tied", {}).get(key)
     return tied is None or dist.get_rank() == min(dist.get_process_group_ranks(tied))
@@ -37,7 +38,6 @@ def _without_whole_copies(pm, key: str, g: torch.Tensor, zero) -> torch.Tensor:
     spec = pm.rank.specs.get(key)
     if spec is None or not spec.whole or pm.rank.comm.rank == 0:
         return g
-    from fxpar.runtime.zero import pieces
 
     shape, local = tuple(pm.rank.weights.live[key].shape), spec.local_parts(pm.rank.comm.size)
     blocks = shape[:spec.dim] + (spec.pre, sum(local), spec.post) + shape[spec.dim + 1:]
@@ -48,7 +48,7 @@ def _without_whole_copies(pm, key: str, g: torch.Tensor, zero) -> torch.Tensor:
             keep.narrow(spec.dim + 1, start, n).zero_()
         start += n
     keep = keep.reshape(shape)
-    return g * (pieces(keep.reshape(-1), zero.d)[zero.r] if zero is not None else keep)
+    return g * (zero.piece(pm.rank.weights.live[key], keep) if zero is not None else keep)
 
 
 @torch.no_grad()
@@ -76,7 +76,7 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     total = local.reshape(1).clone()
     groups = [pm.rank.replica_groups.get("tp")] + ([pm.rank.groups.dp_group] if zero is not None else [])
     layout = pm.rank.groups
-    if layout is not None and layout.ep > 1:
+    if layout is not None and layout.ep > 1 and zero is None:  # with zero, the dp sum counts every piece once
         groups.append(layout.ep_group)
     if layout is not None and layout.pp > 1:
         groups.append(layout.pp_group)

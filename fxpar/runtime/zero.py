@@ -18,6 +18,8 @@ over the rank's own parameters. With it, each data-parallel rank owns 1/d of eve
     the dp mean the all-reduce would give, and elementwise optimizers (SGD, Adam, AdamW, ...) step each element from
     its own gradient and state. Optimizers that couple elements across a tensor (LAMB's or LARS's per-tensor norms,
     Adafactor's factored moments) would see pieces, not tensors: they are refused.
+    With expert parallelism a weight split over the experts' ranks is cut into edp = d/ep pieces instead, owned by
+    the dp ranks that hold the same experts (its edp group), which reduce-scatter its gradient and all-gather it.
 """
 from __future__ import annotations
 
@@ -43,17 +45,29 @@ class DistributedOptimizer(WrappedOptimizer):
             )
         g = pm.rank.groups
         self.d, self.r, self.group, self.grads_of = g.dp, g.dp_rank, g.dp_group, pm.rank.weights.grads
-        self.main = {k: torch.nn.Parameter(pieces(_at_least_fp32(p.detach().reshape(-1)), self.d)[self.r].clone())
-                     for k, p in trainable(pm).items()}
+        params = trainable(pm)
+        self.experts = {id(p) for k, p in params.items() if pm.rank.weights.expert(k)}  # cut over edp
+        self.expert_split = (g.edp, g.dp_rank // g.ep, g.edp_group)
+        self.main = {k: torch.nn.Parameter(self.piece(p, _at_least_fp32(p.detach().reshape(-1))))
+                     for k, p in params.items()}
         super().__init__(pm, optimizer_cls, list(self.main.values()), **kwargs)
         self._key_of = {p: k for k, p in self.params.items()}
         dtypes = {p.dtype for p in self.params.values()}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # bf16 parameters: gather bf16
 
+    def split(self, p: torch.Tensor) -> tuple[int, int, object]:
+        """(pieces, this rank's, the group that holds them) of parameter p: over dp, or over edp for an expert's."""
+        return self.expert_split if id(p) in self.experts else (self.d, self.r, self.group)
+
+    def piece(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of t, a tensor of parameter p's size (the parameter, a state, a mask)."""
+        n, r, _ = self.split(p)
+        return pieces(t.reshape(-1), n)[r].clone()
+
     # ---- what the step's buckets call ([Note: pieces]) ---------------------------------------------------------
     def layout(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The rank-major flat gradient of a bucket of parameters, to reduce-scatter."""
-        return rank_major([self.grads_of.get(p) for p in params], self.d)
+        """The rank-major flat gradient of a bucket of parameters (all dense, or all experts'), to reduce-scatter."""
+        return rank_major([self.grads_of.get(p) for p in params], self.split(params[0])[0])
 
     def receive(self, params: list[torch.Tensor], mine: list[torch.Tensor]) -> None:
         """This rank's reduce-scattered piece of each parameter (sums over dp): their mean joins the main gradients,
@@ -90,18 +104,25 @@ class DistributedOptimizer(WrappedOptimizer):
             p.copy_(full.to(p.dtype))
 
     def gather(self, mine: list[torch.Tensor], like: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """This rank's pieces of tensors shaped like `like`, all-gathered over dp in one collective (in `dtype`):
-        the whole tensors ([Note: pieces]). The step rebuilds the parameters with it, checkpoints the state."""
-        flat = torch.cat([m.detach().reshape(-1) for m in mine]).to(dtype)
-        everyone = torch.empty(self.d * flat.numel(), dtype=flat.dtype, device=flat.device)
-        if self.d > 1:
-            dist.all_gather_single(everyone, flat, group=self.group)
-        else:
-            everyone.copy_(flat)
-        rows, out, offset = everyone.view(self.d, -1), [], 0
-        for m, p in zip(mine, like):
-            out.append(rows[:, offset:offset + m.numel()].reshape(-1)[:p.numel()].view(p.shape))
-            offset += m.numel()
+        """This rank's pieces of tensors shaped like `like` (the parameters, or tensors of their sizes), all-gathered
+        in one collective over dp (and one over edp for the experts', in `dtype`): the whole tensors ([Note:
+        pieces]). The step rebuilds the parameters with it, checkpoints the state."""
+        out = [None] * len(like)
+        for expert in (False, True):
+            at = [i for i, p in enumerate(like) if (id(p) in self.experts) == expert]
+            if not at:
+                continue
+            n, _, group = self.split(like[at[0]])
+            flat = torch.cat([mine[i].detach().reshape(-1) for i in at]).to(dtype)
+            everyone = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+            if n > 1:
+                dist.all_gather_single(everyone, flat, group=group)
+            else:
+                everyone.copy_(flat)
+            rows, offset = everyone.view(n, -1), 0
+            for i in at:
+                out[i] = rows[:, offset:offset + mine[i].numel()].reshape(-1)[:like[i].numel()].view(like[i].shape)
+                offset += mine[i].numel()
         return out
 
 

@@ -170,8 +170,8 @@ class DispatchToExperts(_EPModule):
         counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         if int(offs[-1]) != x.shape[0] or bool((counts < 0).any()):
             raise ValueError(
-                f"fxpar expert parallelism ({self.layer}): the router's expert ids must lie in [0, {self.experts - 1}]: "
-                f"the {self.experts} experts count {int(offs[-1])} of the {x.shape[0]} rows")
+                f"fxpar expert parallelism ({self.layer}): the router's expert ids must lie in "
+                f"[0, {self.experts - 1}]: the {self.experts} experts count {int(offs[-1])} of the {x.shape[0]} rows")
         mine = counts.view(self.comm.size, self.local)  # [peer, its j-th expert]: rows this rank sends it
         _count(self.ran, "all_to_all" if self.how == "alltoall" else "all_gather", "forward")  # the counts
         if self.how == "alltoall":

@@ -80,6 +80,9 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
             v = p.meta["val"]
             with v.fake_mode:
                 p.meta["val"] = torch.empty((local, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                for view in p.users:  # a transposed read (torch's _grouped_mm of W^T): its fake value follows
+                    if view.target is aten.transpose.int:
+                        view.meta["val"] = p.meta["val"].transpose(*view.args[1:])
     graph.lint()
     gm.recompile()
     return gm

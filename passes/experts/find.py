@@ -11,8 +11,9 @@ pair's token row, and run every expert on its run of rows:
     y         = grouped(h2, W2, offs) (+ b2[ids])                [S, h]
     ... y * weights[perm], back to token order, summed over k   (outside the chain: it stays as the model wrote it)
 
-An expert chain is the part from x to y: grouped GEMMs sharing one `offs`, the ops between them, and the per-expert
-biases added after the last. Each of its rows depends only on the same row of x and on that row's expert, which is
+(In bf16 Hugging Face calls torch's own kernel instead, aten._grouped_mm(x, W.transpose(-2, -1), offs): the same
+chain.) An expert chain is the part from x to y: grouped GEMMs sharing one `offs`, the ops between them, and the
+per-expert biases added after the last. Each of its rows depends only on the same row of x and on that row's expert, which is
 what lets expert parallelism move rows between ranks, run each expert where its weights are, and move the results
 back to the same rows: nothing else in the model changes, so the router, the weighted sum over k (its order and
 dtype) and the auxiliary losses stay the reference's own ops on the reference's own values.
@@ -41,7 +42,9 @@ from fxpar.passes.ir.meta import PARAMETER, input_of, module_path
 from fxpar.passes.ir.op_families import CASTS, SPLITS
 
 aten = torch.ops.aten
-GROUPED = (GROUPED_LINEAR, GROUPED_MM)
+# fxpar's grouped GEMMs (Hugging Face's fallback loop, passes/frontend/grouped_gemm.py) and torch's own, which
+# Hugging Face calls where its kernel runs (bf16 on CPU): aten._grouped_mm(x [S, K], W [E, K, N], offs)
+GROUPED = (GROUPED_LINEAR, GROUPED_MM, aten._grouped_mm.default)
 _LAST_DIM = SPLITS | {aten.slice.Tensor}
 
 
@@ -55,7 +58,7 @@ class ExpertChain:
     ids: Node
     experts: int  # E
     grouped: list[Node]
-    weights: list[Node]  # parameter placeholders [E, ...], read by the grouped GEMMs
+    weights: list[Node]  # parameter placeholders [E, ...], read by the grouped GEMMs (directly, or transposed)
     biases: list[Node]  # `b[ids]` gathers, b a parameter [E, ...]
     nodes: list[Node]
     out: Node
@@ -83,8 +86,8 @@ class Experts:
 def find_experts(gm: GraphModule) -> Experts:
     by_offs: dict[Node, list[Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in GROUPED:
-            by_offs.setdefault(n.args[2], []).append(n)
+        if n.op == "call_function" and n.target in GROUPED and isinstance(_offs(n), Node):
+            by_offs.setdefault(_offs(n), []).append(n)
     found = Experts()
     for offs, grouped in by_offs.items():
         chain = _chain(offs, grouped)
@@ -95,6 +98,18 @@ def find_experts(gm: GraphModule) -> Experts:
         else:
             found.chains.append(chain)
     return found
+
+
+def _offs(n: Node):
+    return n.args[2] if len(n.args) > 2 else n.kwargs.get("offs")
+
+
+def _weight(n: Node) -> Node:
+    """The parameter a grouped GEMM reads, through a transpose of its last two dims (torch's _grouped_mm of W^T)."""
+    w = n.args[1]
+    if w.op == "call_function" and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:]) == [1, 2]:
+        return w.args[0]
+    return w
 
 
 def _rows(n) -> int | None:
@@ -132,8 +147,10 @@ def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
         return ids
     e, s = int(offs.meta["val"].shape[0]), _rows(ids)
     for g in grouped:
-        w = g.args[1]
-        if w.op != "placeholder" or input_of(w).kind != PARAMETER or w.meta["val"].shape[0] != e:
+        w = _weight(g)
+        if w.op != "placeholder" or input_of(w).kind != PARAMETER or w.meta["val"].dim() != 3 \
+                or w.meta["val"].shape[0] != e or (g.target is aten._grouped_mm.default and (
+                    g.args[0].meta["val"].dim() != 2 or any(g.kwargs.get(k) is not None for k in ("bias",)))):
             return f"{g.name} reads {w.name}, not a parameter with one slice per expert ({e})"
     last = grouped[-1]
     inside = set(grouped) | (_descendants(grouped) & _ancestors(last))
@@ -161,14 +178,14 @@ def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
     if _rows(x) != s or _rows(out) != s:
         return f"{x.name} or {out.name} does not have the {s} rows of {ids.name}"
     biases = [a for n in nodes for a in _tensor_args(n) if _kind(a, inside, ids, e, None) == "bias"]
-    return ExpertChain(x, offs, ids, e, grouped, [g.args[1] for g in grouped], list(dict.fromkeys(biases)), nodes,
+    return ExpertChain(x, offs, ids, e, grouped, [_weight(g) for g in grouped], list(dict.fromkeys(biases)), nodes,
                        out, module_path(grouped[0]))
 
 
 def _row_wise(n: Node, inside: set, ids: Node, e: int, offs: Node, entries: set) -> str:
     if n.target in GROUPED:
         kinds = [_kind(n.args[0], inside, ids, e, entries)]
-        return "" if kinds[0] in ("chain", "entry") and n.args[2] is offs else \
+        return "" if kinds[0] in ("chain", "entry") and _offs(n) is offs else \
             f"grouped GEMM on {getattr(n.args[0], 'name', n.args[0])} ({kinds[0]})"
     if n.op == "call_function" and n.target is operator.getitem:
         return "" if n.args[0] in inside else "reads a value from outside the experts"
