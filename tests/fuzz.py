@@ -37,6 +37,9 @@ The modes, which combine:
                                   reference's gradient norm bounds, the same on both sides) against one process on
                                   the whole batch, the losses and every parameter to the same tolerance and float64
                                   arbiter (check_loss). A model whose inputs are not batch-first is skipped
+    --loss --dp D --ep E          the same over init_mesh(dp=D, ep=E), every generated model's MLPs mixtures of
+                                  experts (tests/fuzz_models.py): exact, and counted "expert parallel" where its
+                                  experts were split over ep
 
 prints the counts (with the CPU seconds, which a loaded machine does not inflate as it does the wall-clock) and
 writes each failing model as a standalone file (its mode, the model's source and a driver that reruns the check)
@@ -309,9 +312,12 @@ def check(model, args, kwargs, cargs, ckwargs, mesh, traced=None) -> dict:
 
 
 def _shape_of(pm) -> dict:
-    """What a build did, for the counts: whether it sharded a region, whether it ran sequence blocks."""
+    """What a build did, for the counts: whether it sharded a region, whether it ran sequence blocks, whether it
+    split experts over ep."""
+    experts = pm.compiled.experts
     return {"sharded": bool(pm.plan.sharded_regions),
-            "blocks": pm.compiled.sequence is not None and pm.compiled.sequence.applied}
+            "blocks": pm.compiled.sequence is not None and pm.compiled.sequence.applied,
+            "experts": pm.compiled.target.ep.size > 1 and experts is not None and bool(experts.chains)}
 
 
 def check_loss(model, args, kwargs, batch, target, mesh, traced) -> dict:
@@ -457,7 +463,8 @@ def _on_ranks(built, tp: int, timeout_s: float) -> dict:
         return _failed(e)
     run = check_loss if LOSS else check
     try:
-        results = on_ranks(lambda r: run(*copies[r], fxpar.init_mesh(tp=tp, dp=dp), traced), tp * dp, timeout_s)
+        results = on_ranks(lambda r: run(*copies[r], fxpar.init_mesh(tp=tp, dp=dp, ep=LOSS.get("ep", 1)), traced),
+                           tp * dp, timeout_s)
     except RankHang as e:
         return {"outcome": "hang", "detail": str(e)}
     results = [r if isinstance(r, dict) else {"outcome": "crash", "detail": r[1]} for r in results.values()]
@@ -471,7 +478,7 @@ def fuzz(seeds, out_dir: str | None = None) -> dict:
     counts, reasons, failures, arbitrated = Counter(), Counter(), [], []
     with Threaded():
         for seed in seeds:
-            source = generate(seed)
+            source = generate(seed, experts="ep" in LOSS)
             result = run_one(source)
             outcome = result["outcome"]
             counts[outcome] += 1
@@ -482,6 +489,8 @@ def fuzz(seeds, out_dir: str | None = None) -> dict:
                 if "arbiter" in result:
                     counts["exact, float64 arbiter"] += 1
                     arbitrated.append(seed)
+                if result.get("experts"):
+                    counts["exact, expert parallel"] += 1
                 if "pipeline" in result:
                     counts[f"p=2 chained: {result['pipeline']}"] += 1
                 if result.get("pipeline") == "refused":
@@ -539,7 +548,8 @@ def mode_argv() -> list[str]:
             ",".join(v) if isinstance(v, (tuple, list)) else str(v)
 
     argv = [arg for key, v in OPTIONS.items() for arg in ("--config", f"{key}={text(v)}")]
-    return argv + (["--loss", "--dp", str(LOSS["dp"])] if LOSS else [])
+    return argv + (["--loss", "--dp", str(LOSS["dp"])] if LOSS else []) + (["--ep", str(LOSS["ep"])] if "ep" in LOSS
+                                                                           else [])
 
 
 def save(out_dir: str, seed: int, source: str, result: dict) -> str:

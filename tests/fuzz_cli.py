@@ -65,6 +65,8 @@ def main(argv=None) -> int:
                    help="train with a token-mean cross-entropy through pm.step (uneven ignore_index masks) against "
                         "one process on the whole global batch")
     p.add_argument("--dp", type=int, default=2, help="with --loss: data-parallel degree (2 x dp threaded ranks)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="with --loss: expert-parallel degree (divides dp); every model's MLPs are mixtures of experts")
     args = p.parse_args(argv)
     OPTIONS.update(args.config)
     if args.sequence_parallel:
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
         OPTIONS["joint_graph"] = True
     if args.loss:
         LOSS["dp"] = args.dp
+        if args.ep > 1:
+            LOSS["ep"] = args.ep
+    elif args.ep > 1:
+        p.error("--ep trains the experts over ep of the dp ranks: use it with --loss")
     elif OPTIONS.get("microbatches", 1) > 1 or OPTIONS.get("zero") or "check_replicas_every" in OPTIONS:
         p.error("microbatches, zero and check_replicas_every act in pm.step: use them with --loss")
     try:

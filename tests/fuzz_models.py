@@ -23,6 +23,11 @@ standalone file. The grammar covers the op families the rules cover and the haza
                  second input that aliases the first at trace time (the same tensor, an overlapping view, by
                  keyword) and is distinct when called, or the reverse; inputs laid out sequence-first (S, B, ...),
                  as Megatron lays them out, transposed in the forward
+    experts      in one model of eight (every one with `experts`, the fuzzer's --ep), the MLP is a mixture of
+                 experts spelled as Hugging Face's are: a router (softmax then top-k, renormalized or not; top-k
+                 then softmax; a sigmoid with a selection bias), k, sorted (token, expert) pairs and histc offsets,
+                 grouped expert GEMMs over [E, out, in] or [E, in, out] weights, gated (chunked, or interleaved
+                 and clamped as GPT-OSS's) or not, per-expert biases, a skewed router, a shared expert beside it
     refusals     in about one model of fifty, the MLP's hidden activation goes through a custom autograd.Function
                  (a straight-through rounding, or an identity whose backward scales the gradient) whose `apply` is
                  bound before the trace: in the layer's __init__, at module level, or by functools.partial. A
@@ -31,8 +36,9 @@ standalone file. The grammar covers the op families the rules cover and the haza
 
 `example(rows=2)` and `call(rows=2)` take the batch size: the fuzzer's loss mode calls them with a whole global
 batch (tests/fuzz.py --loss). The hazards added after the first grammar draw from a second generator
-(`_hazards(seed)`), and the looped blocks, the layout and the custom Functions from generators of their own, so
-the models of the seeds that came before keep their structure.
+(`_hazards(seed)`), and the looped blocks, the layout, the custom Functions and the experts from generators of their
+own, so the models of the seeds that came before keep their structure (but for the one in eight that became a
+mixture of experts).
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ import linecache
 import random
 import re
 from dataclasses import dataclass, field
+
+from tests.fuzz_experts import GMM_SOURCE, ExpertGrammar, experts_of
 
 
 @dataclass
@@ -54,11 +62,11 @@ class _Code:
         return f"{prefix}{self.n}"
 
 
-class _Layer:
+class _Layer(ExpertGrammar):
     """Emits one layer's __init__ and forward lines over the residual stream `x` of shape (B, S, H)."""
 
-    def __init__(self, rng: random.Random, cfg: dict, hazards: random.Random):
-        self.r, self.c, self.code, self.h = rng, cfg, _Code(), hazards
+    def __init__(self, rng: random.Random, cfg: dict, hazards: random.Random, experts: random.Random | None = None):
+        self.r, self.c, self.code, self.h, self.e = rng, cfg, _Code(), hazards, experts
         self.side = None  # a hidden activation the model also returns
 
     def param(self, *shape) -> str:
@@ -172,6 +180,8 @@ class _Layer:
 
     def mlp(self, x: str) -> str:
         H, F = self.c["H"], self.c["F"]
+        if self.c["moe"]:
+            return self.dropout(self.moe(x))
         if self.r.random() < 0.3:  # gated: fused gate|up or two GEMMs
             if self.r.random() < 0.5:
                 gu = self.gemm(x, H, 2 * F, bias=False)
@@ -395,16 +405,17 @@ def _draw(c: dict, tokens: int) -> str:
         f"torch.randn({size}, {c['H']}, generator=g)"
 
 
-def generate(seed: int) -> str:
-    """The source of one random model (see the module docstring)."""
+def generate(seed: int, experts: bool = False) -> str:
+    """The source of one random model (see the module docstring); `experts`: its MLPs are mixtures of experts."""
     r, hazards = random.Random(seed), _hazards(seed)
     c = _config(r)
+    c["moe"] = experts_of(seed, experts)
     aliasing = hazards.random() < 0.25  # a second input, aliasing the first in the example or in the call
     layout, functions = random.Random(f"fxpar layout {seed}"), random.Random(f"fxpar functions {seed}")
     c["seq_first"] = layout.random() < 0.05
     c["function"] = (functions.choice(sorted(FUNCTIONS)), functions.choice(["init", "module", "partial"])) \
-        if functions.random() < 0.02 else None
-    layer = _Layer(r, c, hazards).build(c["carry"])
+        if functions.random() < 0.02 and not c["moe"] else None  # (a dense MLP's hidden activation goes through it)
+    layer = _Layer(r, c, hazards, random.Random(f"fxpar expert spellings {seed}")).build(c["carry"])
     loops = random.Random(f"fxpar loops {seed}")  # its own stream: the models of other seeds stay as they were
     c["loops"], c["no_grad"] = (2, loops.random() < 0.5) if loops.random() < 0.1 else (1, False)
     H, S, V = c["H"], c["S"], c["vocab"]
@@ -418,6 +429,8 @@ def generate(seed: int) -> str:
                   *source.splitlines(),
                   *(["", "", f"{alias} = {name}.apply  # bound at module level, before any trace"] if way == "module"
                     else [])]
+    if c["moe"]:
+        lines += GMM_SOURCE.splitlines()
     lines += ["", "", "class Layer(nn.Module):", "    def __init__(self):", "        super().__init__()"]
     lines += [f"        {line}" for line in layer.init] or ["        pass"]
     lines += ["", "    def forward(self, x, prev):"] + [f"        {line}" for line in layer.body]

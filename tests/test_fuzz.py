@@ -54,6 +54,21 @@ def test_a_fixed_batch_trained_with_a_token_loss(tmp_path, monkeypatch):
     assert counts["exact, sharded"] >= LOSS_BATCH // 2, text
 
 
+EXPERT_BATCH = 10
+
+
+@pytest.mark.slow
+def test_a_fixed_batch_of_mixtures_of_experts_trained_over_ep(tmp_path, monkeypatch):
+    """Seeds 0..9 with --loss --ep 2: every MLP a mixture of experts (router spellings, k, skew, shared experts,
+    biases, gated or not), trained at t=2 d=2 ep=2 m=2 against one process; most with their experts split."""
+    monkeypatch.setattr("tests.fuzz.LOSS", {"dp": 2, "ep": 2})  # the job processes get --loss --dp 2 --ep 2
+    summary = fuzz_jobs(0, EXPERT_BATCH, jobs=2, out_dir=str(tmp_path))
+    counts, text = summary["counts"], report(summary, EXPERT_BATCH, 0, 0.0)
+    assert not summary["failures"] and sum(counts[k] for k in BAD) == 0, text
+    assert counts["exact"] + counts["refused"] + counts["skipped"] == EXPERT_BATCH, text
+    assert counts["exact, expert parallel"] >= EXPERT_BATCH // 2, text
+
+
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_a_failure_the_fuzzer_found_stays_fixed(path, monkeypatch):
     source = path.read_text()
@@ -78,6 +93,11 @@ def test_the_generator_is_deterministic_and_varied():
                 "transpose(0, 1)  # sequence-first"]
     missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
     assert not missing, missing
+    experts = ["gmm(", "torch.histc(", ".softmax(-1)\n", ".sigmoid()", "[..., ::2]", ".add_(self.be", "[4.0, ",
+               "index_add_(0", "stable=True", "torch.sigmoid(h"]
+    sources = [generate(s, experts=True) for s in range(30)]
+    assert not [f for f in experts if not any(f in s for s in sources)]
+    assert sum("gmm(" in generate(s) for s in range(60)) >= 3  # the default grammar draws them too
 
 
 def test_the_fuzzer_catches_a_wrong_rewrite(monkeypatch):

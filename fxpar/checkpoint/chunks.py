@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fxpar.passes.ir.placements import Shard
+from fxpar.runtime.weights import first_expert
 
 
 def chunks(full_shape: tuple[int, ...], spec: Shard | None, rank: int, t: int) -> list[tuple[int, int, int]]:
@@ -73,7 +74,7 @@ class Chunked:
         if not local.dim():
             return cls(local, (), None, 0, 1)
         w = pm.rank.weights
-        first = w.ep.rank * local.shape[0] if w.expert(key) else None
+        first = first_expert(local, w.ep) if w.expert(key) else None
         return cls(local, w.shapes[key], w.spec(key), pm.rank.comm.rank, pm.rank.comm.size, first)
 
     def size(self) -> torch.Size:

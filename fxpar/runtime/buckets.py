@@ -134,15 +134,12 @@ class GradBuckets:
             mine = flat if n == 1 else flat.new_empty(flat.numel() // n)
             work = None if n == 1 else dist.reduce_scatter_single(mine, flat, group=group, async_op=True)
             self.launched.append((work, mine, bucket))
-        elif expert:
+        else:  # the experts' over edp, the rest over dp
+            n, group = (self.g.edp, self.g.edp_group) if expert else (self.g.dp, self.g.dp_group)
             flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
             flat = flat.to(self.dtype or flat.dtype)
-            work = dist.all_reduce(flat, group=self.g.edp_group, async_op=True) if self.g.edp > 1 else None
+            work = dist.all_reduce(flat, group=group, async_op=True) if n > 1 else None
             self.launched.append((work, flat, bucket))
-        else:
-            flat = torch.cat([self.grads.get(p).reshape(-1) for p in bucket])
-            flat = flat.to(self.dtype or flat.dtype)
-            self.launched.append((dist.all_reduce(flat, group=self.g.dp_group, async_op=True), flat, bucket))
 
     def finish(self) -> None:
         self._from_programs()

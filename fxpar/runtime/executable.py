@@ -27,8 +27,8 @@ from fxpar.describe import plan_of
 from fxpar.runtime.precision import Grads, LossScaler
 from fxpar.runtime.program_cache import Programs, describe_mismatch
 from fxpar.runtime.replicas import check_replicas
-from fxpar.runtime.weights import (RankWeights, check_state, from_model_spelling, has_state_hooks, load_full_or_local,
-                                   tensor_keys, to_model_spelling)
+from fxpar.runtime.weights import (RankWeights, all_experts, check_state, from_model_spelling, has_state_hooks,
+                                   load_full_or_local, own_experts, tensor_keys, to_model_spelling)
 
 
 def _holder(root: nn.Module, key: str) -> tuple[nn.Module, str]:
@@ -59,6 +59,7 @@ class RankState:
         self.stats = None  # a pipeline rank's last step's timings (fxpar/runtime/interpreter.py Stats)
         self.spelling: nn.Module | None = None  # the model whose state-dict hooks spell its state (weights.py)
         self.warned_normalization = False  # a pipeline rank said once that its microbatch losses weigh equally
+        self.warned_statistics = False  # ... and that its loss's batch statistics span microbatch i of every dp rank
         self.made_buckets: dict = {}  # a pipeline rank's dp buckets in the program, by program, chunk and weights
 
     @property
@@ -95,7 +96,7 @@ class ParallelModule(nn.Module):
             if key in specs:
                 local = local_shard(local, specs[key], self.rank.comm.rank, self.rank.comm.size)
             if key in experts:  # this rank's experts (passes/experts/expert_parallel.py)
-                local = local.chunk(ep.size)[ep.rank]
+                local = own_experts(local, ep)
             if local.is_meta:  # built on the meta device: only this rank's shard is allocated, filled by a load
                 local = torch.empty(local.shape, dtype=local.dtype, device=compiled.target_device)
                 unloaded.add(key)

@@ -18,6 +18,22 @@ from fxpar.passes.ir.placements import Shard, local_shard
 from fxpar.runtime.precision import Grads
 
 
+def own_experts(full: torch.Tensor, ep) -> torch.Tensor:
+    """This ep rank's experts of a tensor split along its expert dim (0): the ep.rank-th of ep.size equal blocks,
+    as passes/experts/expert_parallel.py runs them."""
+    return full.chunk(ep.size)[ep.rank]
+
+
+def all_experts(local: torch.Tensor, ep) -> torch.Tensor:
+    """Every ep rank's experts in rank order, own_experts' inverse (a collective over the ep group)."""
+    return torch.cat(ep.all_gather(local))
+
+
+def first_expert(local: torch.Tensor, ep) -> int:
+    """Where this ep rank's experts (`local`, its own_experts) start along dim 0 of the full tensor."""
+    return ep.rank * local.shape[0]
+
+
 class LiveState(Mapping):
     """state_dict key (tied keys included) -> the tensor a holder module holds now."""
 
@@ -134,7 +150,7 @@ def load_full_or_local(pm, state_dict: Mapping[str, torch.Tensor], strict: bool,
             done.add(pm.rank.weights.aliases[key])
             pm.rank.weights.mark_loaded(key)
             if pm.rank.weights.expert(key) and value.shape[:1] == pm.rank.weights.shapes[key][:1]:
-                value = value.chunk(pm.rank.weights.ep.size)[pm.rank.weights.ep.rank]  # this rank's experts
+                value = own_experts(value, pm.rank.weights.ep)
             local = _local_value(key, value, pm.rank.weights.spec(key), pm.rank.weights.live[key], pm.rank.comm)
             holder, leaf = pm.rank.weights.slots[key]
             current = pm.rank.weights.live[key]

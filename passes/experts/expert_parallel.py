@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
 from fxpar.passes.experts.dispatch import CombineFromExperts, DispatchToExperts
@@ -48,6 +49,9 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
         return gm
     check_experts(experts, comm.size)
     graph = gm.graph
+    # the fake values this pass makes: in a mode of its own (the trace's may be another thread's, in one process
+    # of threaded ranks, and a fake mode is not thread-safe)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     for i, c in enumerate(experts.chains):
         local, params = c.experts // comm.size, c.params
         dispatch, combine = f"ep_dispatch_{i}", f"ep_combine_{i}"
@@ -57,7 +61,9 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
         with graph.inserting_before(c.nodes[0]):
             d = graph.call_module(dispatch, (c.x, c.offs))
             x, offs, ids, routing = (graph.call_function(operator.getitem, (d, k)) for k in range(4))
-        x.meta["val"], offs.meta["val"] = c.x.meta["val"], c.offs.meta["val"].new_empty(local)
+        v = c.offs.meta["val"]
+        with mode:
+            x.meta["val"], offs.meta["val"] = c.x.meta["val"], torch.empty(local, dtype=v.dtype, device=v.device)
         gathers = {}
         for b in c.biases:
             with graph.inserting_before(c.nodes[0]):
@@ -78,7 +84,7 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
                 graph.erase_node(b)
         for p in params:
             v = p.meta["val"]
-            with v.fake_mode:
+            with mode:
                 p.meta["val"] = torch.empty((local, *v.shape[1:]), dtype=v.dtype, device=v.device)
                 for view in p.users:  # a transposed read (torch's _grouped_mm of W^T): its fake value follows
                     if view.target is aten.transpose.int:

@@ -159,7 +159,7 @@ def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
     while len(out.users) == 1:  # the per-expert biases added after the last GEMM
         user = next(iter(out.users))
         if not _pointwise(user) or any(_kind(a, inside, ids, e, None) not in ("chain", "bias", "scalar")
-                                       for a in _tensor_args(user)):
+                                       for a in user.all_input_nodes):
             break
         nodes.append(user)
         inside.add(user)
@@ -177,22 +177,22 @@ def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
         return f"{[n.name for n in leaving]} are read outside the experts; only {out.name} may be"
     if _rows(x) != s or _rows(out) != s:
         return f"{x.name} or {out.name} does not have the {s} rows of {ids.name}"
-    biases = [a for n in nodes for a in _tensor_args(n) if _kind(a, inside, ids, e, None) == "bias"]
+    biases = [a for n in nodes for a in n.all_input_nodes if _kind(a, inside, ids, e, None) == "bias"]
     return ExpertChain(x, offs, ids, e, grouped, [_weight(g) for g in grouped], list(dict.fromkeys(biases)), nodes,
                        out, module_path(grouped[0]))
 
 
 def _row_wise(n: Node, inside: set, ids: Node, e: int, offs: Node, entries: set) -> str:
     if n.target in GROUPED:
-        kinds = [_kind(n.args[0], inside, ids, e, entries)]
-        return "" if kinds[0] in ("chain", "entry") and _offs(n) is offs else \
-            f"grouped GEMM on {getattr(n.args[0], 'name', n.args[0])} ({kinds[0]})"
+        kind = _kind(n.args[0], inside, ids, e, entries)
+        return "" if kind in ("chain", "entry") and _offs(n) is offs else \
+            f"grouped GEMM on {getattr(n.args[0], 'name', n.args[0])} ({kind})"
     if n.op == "call_function" and n.target is operator.getitem:
         return "" if n.args[0] in inside else "reads a value from outside the experts"
     row_op = _pointwise(n) or n.target in CASTS or (n.target in _LAST_DIM and _last_dim(n))
     if not row_op:
         return f"{n.target} is not row-wise (pointwise, a cast, or a split of the last dim)"
-    for i, a in enumerate(_tensor_args(n)):
+    for i, a in enumerate(n.all_input_nodes):
         kind = _kind(a, inside, ids, e, entries)
         if kind == "other":
             return f"reads {a.name}, which is not a row of the experts' input, a per-expert bias or a scalar"
@@ -215,10 +215,6 @@ def _kind(a: Node, inside: set, ids: Node, e: int, entries: set | None) -> str:
         entries.add(a)
         return "entry"
     return "other"
-
-
-def _tensor_args(n: Node) -> list[Node]:
-    return [a for a in n.all_input_nodes]
 
 
 def _pointwise(n: Node) -> bool:
