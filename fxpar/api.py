@@ -48,7 +48,9 @@ def build(model: nn.Module, comm: TPComm | None, example_args: tuple, example_kw
     ep = groups.ep_comm if groups is not None else TPComm(rank=0, size=ep)
     if ep.size > 1:
         _check_expert_parallel(config, ep.size)
-    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams, ep=ep), config,
+    dp = groups.dp_comm if groups is not None else TPComm(rank=0, size=1)
+    compiled = compile_model(model, example_args, example_kwargs, Target(comm, pp, pipelined, streams, ep=ep, dp=dp),
+                             config,
                              traced=traced, loss=loss)
     if loss_fn is not None and groups is not None:
         pm = PipelineModule(model, compiled, groups, loss_fn)

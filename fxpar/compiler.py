@@ -22,6 +22,7 @@ from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
 from fxpar.config import Config
@@ -34,6 +35,8 @@ from fxpar.passes.frontend.context_regions import inline_context_pass
 from fxpar.passes.experts.find import Experts, find_experts
 from fxpar.passes.experts.expert_parallel import expert_keys, expert_parallel_pass
 from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
+from fxpar.passes.data_parallel.batch_statistics import (BatchStatistics, batch_statistics_pass,
+                                                         find_batch_statistics)
 from fxpar.passes.frontend.token_count import LossNormalization, loss_normalization
 from fxpar.passes.frontend.unfuse import parts as unfuse_parts
 from fxpar.passes.frontend.unfuse import unfuse
@@ -61,7 +64,7 @@ from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_a
 from fxpar.passes.tensor_parallel.sequence_parallel import gathered_gemms_pass, sequence_parallel_pass
 from fxpar.programs import JointRequest
 from fxpar.stages import run_stages
-from fxpar.trace import Traced, trace
+from fxpar.trace import TraceError, Traced, trace
 
 log = logging.getLogger("fxpar")
 
@@ -76,6 +79,7 @@ class Target:
     streams: RandomStreams | None = None  # this rank's random streams (passes/tensor_parallel/rng.py); None: seed 0
     chunk_layers: tuple | None = None  # pin the layers of each chunk (a recompile keeps the first one's cut)
     ep: TPComm = field(default_factory=lambda: TPComm(rank=0, size=1))  # the expert-parallel group (init_mesh(ep=E))
+    dp: TPComm = field(default_factory=lambda: TPComm(rank=0, size=1))  # the data-parallel group (batch statistics)
 
     def __post_init__(self):
         if self.streams is None:
@@ -102,6 +106,7 @@ class Compiled:
     loss: tuple | None = None  # (loss_fn, example target): trace the loss with the model ([Note: the loss is traced])
     traced: Traced | None = None  # trace: the unmodified program, the reference
     normalization: LossNormalization | None = None  # how step() weights the microbatch losses (a traced loss only)
+    statistics: BatchStatistics | None = None  # the loss's statistics over the batch's rows, made the whole batch's
     gm: GraphModule | None = None  # the working graph, as the graph passes leave it
     aliases: dict[str, str] | None = None  # every parameter and buffer key -> the key its tensor is registered under
     analysis: Analysis | None = None  # analyze: every node's placement, the regions of the plan
@@ -159,6 +164,34 @@ def _normalization(c: Compiled) -> LossNormalization | None:
     """[Note: whole-batch semantics] in passes/frontend/token_count.py: a token-mean loss and what counts its
     valid targets, read from the unmodified program."""
     return loss_normalization(c.traced.gm) if c.traced.with_loss else None
+
+
+def _statistics(c: Compiled) -> BatchStatistics | None:
+    """[Note: batch statistics] in passes/data_parallel/batch_statistics.py: the loss traced again at dp times the rows,
+    where it is not a token mean, to find the statistics over the batch's rows it reads nonlinearly."""
+    d = c.target.dp.size
+    if d == 1 or not c.traced.with_loss or c.loss is None or c.normalization.count is not None:
+        return None
+    whole = lambda x: torch.cat([x] * d) if isinstance(x, torch.Tensor) and x.dim() else x  # noqa: E731
+    loss_fn, target = c.loss
+    mp, note = c.config.mixed_precision, ""
+    try:
+        traced = trace(c.model, pytree.tree_map(whole, c.example_args), pytree.tree_map(whole, c.example_kwargs),
+                       (loss_fn, pytree.tree_map(whole, target)), mp.param_dtype if mp is not None else None)
+    except TraceError as e:
+        traced, note = None, str(e).splitlines()[0]
+    if traced is None or not traced.with_loss:
+        return BatchStatistics(why=f"the loss does not trace at dp={d} times the rows ({note or traced.loss_note})")
+    if meta_state_device(traced.gm) is not None:
+        place_meta_state_pass(traced.gm, meta_state_device(traced.gm))
+    stats = find_batch_statistics(c.traced.gm, traced.gm)
+    if stats is not None and not stats.why and (c.config.joint_graph or c.config.compile):
+        stats.why = "the joint programs and compile do not run the all-reduces of batch statistics yet"
+    return stats
+
+
+def _batch_statistics(c: Compiled) -> GraphModule:
+    return batch_statistics_pass(c.gm, c.statistics, c.target.dp)
 
 
 def _working_copy(c: Compiled) -> GraphModule:
@@ -365,6 +398,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     # name             product (None: a check)   what it does
     ("trace", "traced", _trace),  # torch.export (non-strict): the ATen program, inputs typed
     ("normalization", "normalization", _normalization),  # a token-mean loss: what counts its valid targets
+    ("statistics", "statistics", _statistics),  # the loss's statistics over the batch's rows, found
     ("working_copy", "gm", _working_copy),  # the graph the stages below rewrite; the trace stays the reference
     ("aliases", "aliases", lambda c: canonical_keys(c.model)),  # every state key -> the first key of its tensor
     ("merge_aliases", "gm", _merge_aliases),  # one placeholder per tensor: tied weights are one parameter
@@ -387,6 +421,7 @@ STAGES: tuple[tuple[str, str | None, Callable[[Compiled], object]], ...] = (
     ("keep_tp_graph", "tp_graph", _keep_tp_graph),  # snapshot for verify
     ("experts", "experts", lambda c: find_experts(c.gm)),  # the expert chains (passes/experts/find.py)
     ("expert_parallel", "gm", _expert_parallel),  # each chain on the rows of this rank's experts (init_mesh(ep=E))
+    ("batch_statistics", "gm", _batch_statistics),  # those statistics all-reduced over dp: the whole batch's
     ("state_values", "state_values", _state_values),  # buffer values the fusions may prove masks from
     ("joint", "joint", _joint),  # the joint programs (Config.joint_graph; none: with compile, where they apply)
     ("attention_to_sdpa", "gm", _attention_to_sdpa),  # explicit attention -> SDPA (Config.fuse, as the three below)

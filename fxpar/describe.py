@@ -23,8 +23,17 @@ def plan_of(program: Compiled, shards: list[WeightShard], joint: list, dp: list,
     table = program_comm(joint, program.target.comm.size, get_cluster(ESTIMATE_ON), dp, d) if joint else ()
     return make_plan(program.analysis, shards, partition, program.target.pp, program.traced.loss_note,
                      program.tp_graph, tuple(program.sequence.lines()), table, ESTIMATE_ON,
-                     program.normalization.line() if program.normalization else "", program.joint.why,
+                     _loss_line(program), program.joint.why,
                      _experts(program))
+
+
+def _loss_line(program: Compiled) -> str:
+    """How step() weights the microbatch losses, and the loss's statistics over the batch's rows."""
+    line = program.normalization.line() if program.normalization else ""
+    stats = program.statistics
+    if stats is not None:
+        line += f"\n  statistics over the batch: {stats.line(program.target.dp.size)}"
+    return line
 
 
 def _rows_bytes(chain, ep: int, how: str) -> str:

@@ -94,6 +94,11 @@ class Groups:
         return TPComm(rank=self.tp_rank, size=self.tp, group=self.tp_group)
 
     @property
+    def dp_comm(self) -> TPComm:
+        """This rank's data-parallel context (the loss's batch statistics are all-reduced over it)."""
+        return TPComm(rank=self.dp_rank, size=self.dp, group=self.dp_group)
+
+    @property
     def ep_comm(self) -> TPComm:
         """This rank's expert-parallel context (the same record as tp's: a rank, a size, a group)."""
         return TPComm(rank=self.ep_rank, size=self.ep, group=self.ep_group)

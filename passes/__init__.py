@@ -12,6 +12,7 @@ One subpackage per part of the pipeline, in the order data flows (each __init__ 
                       projections, the vocabulary, the plan and its per-layer communication audit
     tensor_parallel/  the rewrite: f/g and the other collectives, merged and in place, random streams, local shapes
     experts/          expert parallelism: each MoE layer's expert chain found, its rows sent to the ranks of their experts
+    data_parallel/    what a loss needs from every dp rank: its statistics over the batch's rows, all-reduced
     fusion/           fused kernels (attention -> SDPA, bias+dropout+add, bias+GeLU) and activation recomputation
     pipeline/         p*v chunks, schedules as data, lowering to the runtime's program, replay, proofs
     joint/            each chunk's forward+backward as one graph, every collective a node; the collectives it runs

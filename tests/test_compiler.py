@@ -15,10 +15,10 @@ from tests import models
 
 def test_the_stage_list_is_the_whole_compiler():
     assert [name for name, _, _ in STAGES] == [
-        "trace", "normalization", "working_copy", "aliases", "merge_aliases", "context_regions", "drop_asserts",
-        "view_as", "fresh_in_place", "cross_entropy", "gemm_forms", "unfuse",
+        "trace", "normalization", "statistics", "working_copy", "aliases", "merge_aliases", "context_regions",
+        "drop_asserts", "view_as", "fresh_in_place", "cross_entropy", "gemm_forms", "unfuse",
         "analyze", "vocab", "check_divisible", "tensor_parallel", "merge_comm", "local_shapes", "sequence_analysis",
-        "sequence_parallel", "sequence_shapes", "keep_tp_graph", "experts", "expert_parallel",
+        "sequence_parallel", "sequence_shapes", "keep_tp_graph", "experts", "expert_parallel", "batch_statistics",
         "state_values", "joint", "attention_to_sdpa", "identity_dropout", "bias_dropout_add", "gelu", "assumed",
         "gathered_gemms", "random_streams", "recompute", "in_place",
         "partition", "schedule", "lower", "prove", "compile", "expected_state"]
@@ -51,8 +51,8 @@ def test_a_pipelined_compile_proves_its_program():
 def test_bad_input_keeps_its_type_and_names_the_stage():
     model, args, kwargs = models.build("gpt")  # 4 heads
     with pytest.raises(ValueError, match=r"(?s)cannot split .* over t=3.*\(in fxpar compiler stage "
-                                         r"'check_divisible', after trace, normalization, working_copy, aliases, "
-                                         r"merge_aliases, "
+                                         r"'check_divisible', after trace, normalization, statistics, working_copy, "
+                                         r"aliases, merge_aliases, "
                                          r"context_regions, drop_asserts, view_as, fresh_in_place, cross_entropy, "
                                          r"gemm_forms, unfuse, analyze, vocab\)"):
         compile_model(model, args, kwargs, Target(TPComm(0, 3)))

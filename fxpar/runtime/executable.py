@@ -260,18 +260,20 @@ class ParallelModule(nn.Module):
                 local = w.live[key].detach()
                 spec = w.specs.get(reg)
                 full[reg] = unshard(self.rank.comm.all_gather(local), spec) if spec else local.clone()
-                if reg in w.experts:  # every rank's experts, in rank order
-                    full[reg] = torch.cat(w.ep.all_gather(full[reg]))
+                if reg in w.experts:
+                    full[reg] = all_experts(full[reg], w.ep)
             full[key] = full[reg]
         return full
 
     def _weight_shards(self) -> list[WeightShard]:
         w = self.rank.weights
+
         def placement(key: str) -> str:
             tp = str(w.spec(key)) if w.spec(key) else "R"
             return f"{tp}, experts S(0) over ep={w.ep.size}" if w.expert(key) else tp
 
-        return [WeightShard(key, w.shapes[key], placement(key), tuple(w.live[key].shape)) for key in w.held_keys()]  # another pipeline stage's keys are its own
+        # another pipeline stage's keys are its own
+        return [WeightShard(key, w.shapes[key], placement(key), tuple(w.live[key].shape)) for key in w.held_keys()]
 
 
 def call_inputs(pm: ParallelModule, args, kwargs) -> tuple[list, list]:

@@ -190,7 +190,12 @@ class PipelineModule(ParallelModule):
         """Each of this rank's microbatch losses' weight: n_i * d / N for a token-mean loss ([Note: whole-batch
         semantics] in passes/frontend/token_count.py), counted on the global batch every rank holds; None (1 / m
         each) where the counts are all equal or the normalization is not proven (said once, at the first step)."""
-        g, norm = self.rank.groups, program.normalization
+        g, norm, stats = self.rank.groups, program.normalization, program.statistics
+        if stats is not None and not stats.why and len(micro) > 1 and not self.rank.warned_statistics:
+            self.rank.warned_statistics = True  # [Note: batch statistics], passes/data_parallel/batch_statistics.py
+            warnings.warn(f"fxpar step: the loss's statistics over the batch ({', '.join(stats.reduce)}) are "
+                          f"all-reduced over the dp={g.dp} ranks' microbatch i, not over the whole batch (m="
+                          f"{len(micro)}): they are the whole batch's at microbatches=1.", stacklevel=3)
         if g.dp * len(micro) == 1:
             return None
         if norm is None or norm.count is None:

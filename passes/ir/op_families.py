@@ -95,7 +95,9 @@ VALUES_AND_INDICES = frozenset({aten.max.dim, aten.min.dim, aten.topk.default, a
 INDEXING = frozenset({aten.index.Tensor, aten.index_select.default, aten.select.int, aten.slice.Tensor,
                       aten.narrow.default})
 SUMS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.neg.default})
-SCALINGS = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar})
+PRODUCTS = frozenset({aten.mul.Tensor, aten.mul.Scalar})
+QUOTIENTS = frozenset({aten.div.Tensor, aten.div.Scalar})
+SCALINGS = PRODUCTS | QUOTIENTS
 ADDS = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor})
 TOKEN_MEANS = frozenset({aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default})
 DECOMPOSED_GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})
