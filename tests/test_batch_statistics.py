@@ -33,11 +33,15 @@ class Routed(nn.Module):
 
 def balanced(out, target):
     """Cross-entropy plus a load-balancing term: E * sum_e (share of rows whose top expert is e) * (mean
-    probability of e), both over every row (histc and a division by the row count read from the shape)."""
+    probability of e), both over every row (histc and a division by the row count read from the shape); and a
+    router z-loss, the mean over rows of logsumexp(logits)^2 (linear in the rows: the dp mean makes it the whole
+    batch's as it is)."""
     logits, gate = out
     probs = gate.flatten(0, 1).softmax(-1)
     share = torch.histc(probs.argmax(-1).float(), bins=E, min=0, max=E - 1) / probs.shape[0]
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + 0.1 * E * (share * probs.mean(0)).sum()
+    z = torch.logsumexp(gate, -1).pow(2).mean()
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + 0.1 * E * (share * probs.mean(0)).sum() + \
+        1e-3 * z
 
 
 def peaked(out, target):

@@ -78,7 +78,8 @@ def _build(arch: str):
 
 
 def _train(arch: str, dp: int, ep: int, dispatch: str, steps: int = 3, m: int = 2, skew: bool = False,
-           clip: float | None = None, pp: int = 1, tp: int = 1, zero: int = 0, **options):
+           clip: float | None = None, pp: int = 1, tp: int = 1, zero: int = 0, implementation: str | None = None,
+           **options):
     """(loss gap, parameter gap, this rank's expert rows, the rows routed to its experts in the reference, local
     expert fraction, norm gap) over `steps` AdamW steps in float64."""
     import fxpar
@@ -88,6 +89,8 @@ def _train(arch: str, dp: int, ep: int, dispatch: str, steps: int = 3, m: int = 
         model, args, kwargs = _build(arch)
         if skew:
             _skew(model)
+        if implementation:  # Hugging Face's experts_implementation, on both sides
+            model.set_experts_implementation(implementation)
         model.double()
         reference = copy.deepcopy(model)
         reference.set_experts_implementation("batched_mm")
@@ -153,6 +156,18 @@ def test_dp2_ep2_is_exact_and_split(pool2, arch, dispatch):
         assert loss_gap <= tol and gap <= tol, (loss_gap, gap)
         assert rows == routed, (rows, routed)  # the expert GEMMs compute exactly the rows routed to this rank
         assert fraction and set(fraction.values()) == {0.5}, fraction  # every expert weight and bias: 1/ep of it
+
+
+@pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
+def test_batched_mm_experts_are_split_too(pool2, dispatch):
+    """Hugging Face's batched_mm experts keep the rows in (token, k) order and multiply each by its own expert's
+    gathered weights: the chain is keyed by those ids, and the dispatcher sorts the rows by expert itself (GPT-OSS:
+    biases, the gate|up interleaved, a skewed router)."""
+    for loss_gap, gap, rows, routed, fraction, _ in pool2.run(_train, "gpt_oss", 2, 2, dispatch, skew=True,
+                                                              implementation="batched_mm"):
+        assert loss_gap <= models.FLOAT64_TOL and gap <= models.FLOAT64_TOL, (loss_gap, gap)
+        assert rows == routed, (rows, routed)
+        assert set(fraction.values()) == {0.5}, fraction  # gate_up_proj, down_proj and the gate|up bias: 1/ep
 
 
 def _balanced(out, target):
@@ -372,7 +387,7 @@ def test_expert_count_not_divisible_by_ep_and_ids_outside_the_experts():
         dispatch(x, offs)
 
 
-def _mixtral_graph(dtype=torch.float32):
+def _mixtral_graph(dtype=torch.float32, implementation: str | None = None):
     from fxpar.passes.frontend.canonicalize import drop_metadata_asserts_pass
     from fxpar.passes.frontend.gemm_forms import gemm_forms_pass
     from fxpar.trace import trace
@@ -380,6 +395,8 @@ def _mixtral_graph(dtype=torch.float32):
 
     model, args, kwargs = build("mixtral", "MixtralForCausalLM")
     model.to(dtype)
+    if implementation:
+        model.set_experts_implementation(implementation)
     gm = trace(model, args, kwargs).gm
     return gemm_forms_pass(drop_metadata_asserts_pass(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))))
 
@@ -400,6 +417,16 @@ def test_the_chain_is_found_by_what_it_computes():
     low = find_experts(_mixtral_graph(torch.bfloat16))
     assert not low.reasons and [c.keys for c in low.chains] == [c.keys for c in found.chains], low.lines()
     assert {str(g.target) for c in low.chains for g in c.grouped} == {"aten._grouped_mm.default"}
+    # batched_mm: each row by its own expert's gathered weights, keyed by the rows' ids (no offsets: unsorted)
+    batched = find_experts(_mixtral_graph(implementation="batched_mm"))
+    assert not batched.reasons and [c.keys for c in batched.chains] == [c.keys for c in found.chains]
+    c = batched.chains[0]
+    assert c.offs is None and c.x.target is torch.ops.aten.unsqueeze.default and \
+        c.out.target is torch.ops.aten.squeeze.dim, (c.x, c.out)
+    assert [str(n.target) for n in c.nodes if "getitem" not in str(n.target)] == [
+        "aten.bmm.default", "aten.squeeze.dim", "aten.chunk.default", "aten.silu.default", "aten.mul.Tensor",
+        "aten.unsqueeze.default", "aten.bmm.default", "aten.squeeze.dim"]
+    assert "2 batched GEMMs" in batched.lines()[0], batched.lines()
 
 
 def test_what_is_not_row_wise_or_leaks_out_stays_tensor_parallel_and_says_why():

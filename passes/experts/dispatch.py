@@ -19,6 +19,9 @@ dispatching it. `routing` (an int64 tensor [ep, 2 * E/ep + 1], made by the dispa
 same call) says for each peer rank how many rows of each of its experts this rank sends, how many of each of this
 rank's experts it receives from it, and (allgather) where its run of this rank's experts starts.
 
+Hugging Face's batched_mm experts keep the rows in (token, k) order and gather each row's expert weights by its id:
+DispatchUnsorted sorts them by expert first (stably) and CombineUnsorted puts each result back at its row.
+
 Every row is checked to belong to an expert: offs[-1] must be S, which fails when a router's id falls outside
 [0, E - 1] (an error naming the layer, not a wrong sum). Rows counted here are the rows each rank's expert GEMMs
 compute (`rows`, summed over calls): the tests compare them with the routing of the unmodified model. So are the
@@ -193,6 +196,19 @@ class DispatchToExperts(_EPModule):
         return x_local, local_offs, local_ids, routing_t
 
 
+class DispatchUnsorted(DispatchToExperts):
+    """(x, ids) of rows in any order (Hugging Face's batched_mm experts: each row gathers its expert's weights) ->
+    DispatchToExperts' four, and the stable sort that put the rows in expert order (CombineUnsorted undoes it)."""
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.experts):
+            raise ValueError(f"fxpar expert parallelism ({self.layer}): the router's expert ids must lie in "
+                             f"[0, {self.experts - 1}], got [{int(ids.min())}, {int(ids.max())}]")
+        perm = torch.argsort(ids, stable=True)
+        offs = torch.bincount(ids, minlength=self.experts).cumsum(0)
+        return (*super().forward(x[perm], offs), perm)
+
+
 class CombineFromExperts(_EPModule):
     """(the result rows of this rank's experts, routing, the rows x had) -> each result at its row of x."""
 
@@ -202,3 +218,10 @@ class CombineFromExperts(_EPModule):
 
     def forward(self, y: torch.Tensor, routing: torch.Tensor, rows: int):
         return _Back.apply(y, Routing.of(routing), self.how, self.comm, rows, self.ran)
+
+
+class CombineUnsorted(CombineFromExperts):
+    """CombineFromExperts, then each row back where it was before DispatchUnsorted sorted it."""
+
+    def forward(self, y: torch.Tensor, routing: torch.Tensor, rows: int, perm: torch.Tensor):
+        return super().forward(y, routing, rows)[torch.argsort(perm)]

@@ -23,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
-from fxpar.passes.experts.dispatch import CombineFromExperts, DispatchToExperts
+from fxpar.passes.experts.dispatch import CombineFromExperts, CombineUnsorted, DispatchToExperts, DispatchUnsorted
 from fxpar.passes.experts.find import Experts
 from fxpar.passes.tensor_parallel.collectives import TPComm
 
@@ -55,15 +55,18 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
     for i, c in enumerate(experts.chains):
         local, params = c.experts // comm.size, c.params
         dispatch, combine = f"ep_dispatch_{i}", f"ep_combine_{i}"
-        sender = DispatchToExperts(comm, how, c.experts, c.module)
+        unsorted = c.offs is None  # batched_mm experts: the dispatcher sorts the rows by expert, the combiner back
+        sender = (DispatchUnsorted if unsorted else DispatchToExperts)(comm, how, c.experts, c.module)
         gm.add_submodule(dispatch, sender)
-        gm.add_submodule(combine, CombineFromExperts(comm, how, c.experts, c.module, sender.ran))
+        gm.add_submodule(combine, (CombineUnsorted if unsorted else CombineFromExperts)(comm, how, c.experts,
+                                                                                        c.module, sender.ran))
         with graph.inserting_before(c.nodes[0]):
-            d = graph.call_module(dispatch, (c.x, c.offs))
-            x, offs, ids, routing = (graph.call_function(operator.getitem, (d, k)) for k in range(4))
-        v = c.offs.meta["val"]
+            d = graph.call_module(dispatch, (c.x, c.ids if unsorted else c.offs))
+            x, offs, ids, routing, *perm = (graph.call_function(operator.getitem, (d, k))
+                                            for k in range(4 + unsorted))
+        dtype = torch.int64 if unsorted else c.offs.meta["val"].dtype
         with mode:
-            x.meta["val"], offs.meta["val"] = c.x.meta["val"], torch.empty(local, dtype=v.dtype, device=v.device)
+            x.meta["val"], offs.meta["val"] = c.x.meta["val"], torch.empty(local, dtype=dtype)
         gathers = {}
         for b in c.biases:
             with graph.inserting_before(c.nodes[0]):
@@ -75,7 +78,7 @@ def expert_parallel_pass(gm: GraphModule, experts: Experts, comm: TPComm, how: s
             n.kwargs = torch.fx.map_arg(n.kwargs, lambda a: swap.get(a, a))
         outside = [u for u in c.out.users if u not in set(c.nodes)]
         with graph.inserting_after(c.out):
-            y = graph.call_module(combine, (c.out, routing, int(c.x.meta["val"].shape[0])))
+            y = graph.call_module(combine, (c.out, routing, int(c.x.meta["val"].shape[0]), *perm))
         y.meta["val"] = c.out.meta["val"]
         for u in outside:
             u.replace_input_with(c.out, y)

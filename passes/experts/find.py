@@ -12,7 +12,9 @@ pair's token row, and run every expert on its run of rows:
     ... y * weights[perm], back to token order, summed over k   (outside the chain: it stays as the model wrote it)
 
 (In bf16 Hugging Face calls torch's own kernel instead, aten._grouped_mm(x, W.transpose(-2, -1), offs): the same
-chain.) An expert chain is the part from x to y: grouped GEMMs sharing one `offs`, the ops between them, and the
+chain. Its batched_mm experts keep the rows in (token, k) order and multiply each by its own expert's weights,
+bmm(W[ids], x.unsqueeze(-1)) with ids = top_k_index.reshape(-1): a chain keyed by those ids instead of offsets,
+whose rows the dispatcher sorts by expert itself.) An expert chain is the part from x to y: grouped GEMMs sharing one `offs`, the ops between them, and the
 per-expert biases added after the last. Each of its rows depends only on the same row of x and on that row's expert, which is
 what lets expert parallelism move rows between ranks, run each expert where its weights are, and move the results
 back to the same rows: nothing else in the model changes, so the router, the weighted sum over k (its order and
@@ -45,6 +47,8 @@ aten = torch.ops.aten
 # fxpar's grouped GEMMs (Hugging Face's fallback loop, passes/frontend/grouped_gemm.py) and torch's own, which
 # Hugging Face calls where its kernel runs (bf16 on CPU): aten._grouped_mm(x [S, K], W [E, K, N], offs)
 GROUPED = (GROUPED_LINEAR, GROUPED_MM, aten._grouped_mm.default)
+_BMM = aten.bmm.default  # batched_mm experts: bmm(W[ids], x[:, :, None]) or bmm(x[:, None], W[ids]), row by row
+_ROW_VIEWS = {aten.unsqueeze.default, aten.squeeze.dim}  # of a dim other than the rows
 _LAST_DIM = SPLITS | {aten.slice.Tensor}
 
 
@@ -54,7 +58,7 @@ class ExpertChain:
     weights, the per-expert bias gathers, every node from the first GEMM to `out` (graph order)."""
 
     x: Node
-    offs: Node
+    offs: Node | None  # None: batched_mm experts, the rows in any order (the dispatcher sorts them by `ids`)
     ids: Node
     experts: int  # E
     grouped: list[Node]
@@ -79,8 +83,9 @@ class Experts:
     reasons: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        return [f"{c.module or c.out.name}: {c.experts} experts, {len(c.grouped)} grouped GEMMs from "
-                f"{c.x.name} to {c.out.name}" for c in self.chains] + self.reasons
+        return [f"{c.module or c.out.name}: {c.experts} experts, {len(c.grouped)} "
+                f"{'batched' if c.offs is None else 'grouped'} GEMMs from {c.x.name} to {c.out.name}"
+                for c in self.chains] + self.reasons
 
 
 def find_experts(gm: GraphModule) -> Experts:
@@ -88,9 +93,11 @@ def find_experts(gm: GraphModule) -> Experts:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in GROUPED and isinstance(_offs(n), Node):
             by_offs.setdefault(_offs(n), []).append(n)
+        elif n.op == "call_function" and n.target is _BMM and _gathered(n) is not None:
+            by_offs.setdefault(_gathered(n).args[1][0], []).append(n)  # keyed by the rows' expert ids
     found = Experts()
-    for offs, grouped in by_offs.items():
-        chain = _chain(offs, grouped)
+    for key, grouped in by_offs.items():
+        chain = _chain(key, grouped) if grouped[0].target in GROUPED else _batched(key, grouped)
         if isinstance(chain, str):
             first = grouped[0]
             found.reasons.append(f"{module_path(first) or first.name}: the experts stay as tensor parallelism "
@@ -104,8 +111,21 @@ def _offs(n: Node):
     return n.args[2] if len(n.args) > 2 else n.kwargs.get("offs")
 
 
+def _gathered(n: Node) -> Node | None:
+    """The `W[ids]` operand of a bmm, W a parameter [E, ...] gathered by 1-D ids (batched_mm experts), or None."""
+    for a in n.args[:2]:
+        if isinstance(a, Node) and a.target is aten.index.Tensor and len(a.args[1]) == 1 \
+                and isinstance(a.args[1][0], Node) and a.args[1][0].meta["val"].dim() == 1 \
+                and a.args[0].op == "placeholder" and input_of(a.args[0]).kind == PARAMETER:
+            return a
+    return None
+
+
 def _weight(n: Node) -> Node:
-    """The parameter a grouped GEMM reads, through a transpose of its last two dims (torch's _grouped_mm of W^T)."""
+    """The parameter a grouped GEMM reads, through a transpose of its last two dims (torch's _grouped_mm of W^T);
+    a batched one's, through its gather by the rows' ids."""
+    if n.target is _BMM:
+        return _gathered(n).args[0]
     w = n.args[1]
     if w.op == "call_function" and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:]) == [1, 2]:
         return w.args[0]
@@ -141,11 +161,21 @@ def _sorted_ids(offs: Node) -> Node | str:
     return ids
 
 
+def _batched(ids: Node, grouped: list[Node]) -> ExpertChain | str:
+    """The chain of batched_mm experts: bmm's of the rows by their own experts' weights, W[ids]."""
+    return _members(None, ids, int(_weight(grouped[0]).meta["val"].shape[0]), grouped)
+
+
 def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
     ids = _sorted_ids(offs)
     if isinstance(ids, str):
         return ids
-    e, s = int(offs.meta["val"].shape[0]), _rows(ids)
+    return _members(offs, ids, int(offs.meta["val"].shape[0]), grouped)
+
+
+def _members(offs: Node | None, ids: Node, e: int, grouped: list[Node]) -> ExpertChain | str:
+    """The chain of `grouped` over rows whose experts are `ids` (sorted, counted by `offs`; or in any order)."""
+    s = _rows(ids)
     for g in grouped:
         w = _weight(g)
         if w.op != "placeholder" or input_of(w).kind != PARAMETER or w.meta["val"].dim() != 3 \
@@ -156,10 +186,10 @@ def _chain(offs: Node, grouped: list[Node]) -> ExpertChain | str:
     inside = set(grouped) | (_descendants(grouped) & _ancestors(last))
     nodes = [n for n in last.graph.nodes if n in inside]
     out = last
-    while len(out.users) == 1:  # the per-expert biases added after the last GEMM
+    while len(out.users) == 1:  # the per-expert biases added after the last GEMM (a batched one's: its squeeze)
         user = next(iter(out.users))
-        if not _pointwise(user) or any(_kind(a, inside, ids, e, None) not in ("chain", "bias", "scalar")
-                                       for a in user.all_input_nodes):
+        if not (_pointwise(user) or _row_view(user)) or any(
+                _kind(a, inside, ids, e, None) not in ("chain", "bias", "scalar") for a in user.all_input_nodes):
             break
         nodes.append(user)
         inside.add(user)
@@ -187,6 +217,13 @@ def _row_wise(n: Node, inside: set, ids: Node, e: int, offs: Node, entries: set)
         kind = _kind(n.args[0], inside, ids, e, entries)
         return "" if kind in ("chain", "entry") and _offs(n) is offs else \
             f"grouped GEMM on {getattr(n.args[0], 'name', n.args[0])} ({kind})"
+    if n.target is _BMM:
+        kinds = sorted(_kind(a, inside, ids, e, entries) for a in n.args[:2])
+        return "" if offs is None and kinds in (["bias", "chain"], ["bias", "entry"]) else \
+            f"a bmm of {[a.name for a in n.args[:2]]} ({kinds}), not of the rows by their experts' weights"
+    if _row_view(n):
+        return "" if _kind(n.args[0], inside, ids, e, entries) in ("chain", "entry") else \
+            f"reads {n.args[0].name}, which is not a row of the experts' input"
     if n.op == "call_function" and n.target is operator.getitem:
         return "" if n.args[0] in inside else "reads a value from outside the experts"
     row_op = _pointwise(n) or n.target in CASTS or (n.target in _LAST_DIM and _last_dim(n))
@@ -215,6 +252,14 @@ def _kind(a: Node, inside: set, ids: Node, e: int, entries: set | None) -> str:
         entries.add(a)
         return "entry"
     return "other"
+
+
+def _row_view(n: Node) -> bool:
+    """An unsqueeze or squeeze of a dim other than the rows' (around a batched expert GEMM)."""
+    if n.op != "call_function" or n.target not in _ROW_VIEWS:
+        return False
+    rank = n.meta["val"].dim() if n.target is aten.unsqueeze.default else n.args[0].meta["val"].dim()
+    return n.args[1] % rank != 0
 
 
 def _pointwise(n: Node) -> bool:
