@@ -25,7 +25,7 @@ def experts_of(seed: int, force: bool) -> dict | None:
     E = g.choice([2, 4, 4, 8])
     return dict(E=E, k=g.choice([k for k in (1, 2, 3) if k <= E]), F=g.choice([4, 8, 12, 9]),
                 router=g.choice(["softmax", "topk_softmax", "sigmoid"]), skew=g.random() < 0.25,
-                shared=g.random() < 0.3)
+                shared=g.random() < 0.3, batched=g.random() < 0.3)
 
 
 class ExpertGrammar:
@@ -38,6 +38,19 @@ class ExpertGrammar:
         stored = (e, fout, fin) if self.e.random() < 0.5 else (e, fin, fout)
         self.code.init.append(f"self.{name} = nn.Parameter(torch.randn{stored} / {fin ** 0.5:.4f})")
         return f"self.{name}" + (".transpose(-2, -1)" if stored[1] == fout else "")
+
+    def expert_gemm(self, inp: str, e: int, fin: int, fout: int, ids: str, offs: str | None) -> str:
+        """inp's rows by their experts' weights: one grouped GEMM over rows sorted by expert (`offs`), or, with
+        offs None, Hugging Face's batched_mm: each row by its own expert's weights gathered by `ids`."""
+        w, out = self.expert_weight(e, fin, fout), self.code.name("h")
+        if offs is not None:
+            self.emit(f"{out} = gmm({inp}, {w}, {offs})")
+        elif w.endswith(".transpose(-2, -1)"):  # stored [E, out, in]: W[ids] [S, out, in] @ inp [S, in, 1]
+            self.emit(f"{out} = torch.bmm({w.removesuffix('.transpose(-2, -1)')}[{ids}], {inp}.unsqueeze(-1))"
+                      ".squeeze(-1)")
+        else:  # stored [E, in, out]: inp [S, 1, in] @ W[ids] [S, in, out]
+            self.emit(f"{out} = torch.bmm({inp}.unsqueeze(1), {w}[{ids}]).squeeze(1)")
+        return out
 
     def expert_bias(self, e: int, n: int, h: str, ids: str) -> str:
         """h plus a per-expert bias gathered by the rows' experts (GPT-OSS), out of place or in place as Hugging
@@ -96,16 +109,21 @@ class ExpertGrammar:
         t = self.code.name("t")
         self.emit(f"{t} = {x}.reshape(-1, {H})")
         w, ids = self.router(t, m)
-        fi, sid, perm, xs, sw, offs = (self.code.name(p) for p in ("fi", "sid", "perm", "xs", "sw", "offs"))
+        fi = self.code.name("fi")
         self.emit(f"{fi} = {ids}.reshape(-1)")
-        self.emit(f"{sid}, {perm} = torch.sort({fi}{', stable=True' if g.random() < 0.5 else ''})")
-        self.emit(f"{xs} = {t}[{perm} // {k}]")
-        self.emit(f"{sw} = {w}.reshape(-1)[{perm}]")
-        self.emit(f"{offs} = torch.cumsum(torch.histc({sid}.float(), bins={E}, min=0, max={E - 1}), dim=0, "
-                  "dtype=torch.int32)")
+        if m.get("batched"):  # the (token, k) rows in order, each by its own expert's weights
+            xs, sw, sid, offs = self.code.name("xr"), self.code.name("sw"), fi, None
+            self.emit(f"{xs} = {t}.repeat_interleave({k}, dim=0)")
+            self.emit(f"{sw} = {w}.reshape(-1)")
+        else:
+            sid, perm, xs, sw, offs = (self.code.name(p) for p in ("sid", "perm", "xs", "sw", "offs"))
+            self.emit(f"{sid}, {perm} = torch.sort({fi}{', stable=True' if g.random() < 0.5 else ''})")
+            self.emit(f"{xs} = {t}[{perm} // {k}]")
+            self.emit(f"{sw} = {w}.reshape(-1)[{perm}]")
+            self.emit(f"{offs} = torch.cumsum(torch.histc({sid}.float(), bins={E}, min=0, max={E - 1}), dim=0, "
+                      "dtype=torch.int32)")
         gated = g.choice(["chunk", "interleaved", "none"])
-        h1 = self.code.name("h")
-        self.emit(f"{h1} = gmm({xs}, {self.expert_weight(E, H, 2 * F if gated != 'none' else F)}, {offs})")
+        h1 = self.expert_gemm(xs, E, H, 2 * F if gated != "none" else F, sid, offs)
         if g.random() < 0.3:
             h1 = self.expert_bias(E, 2 * F if gated != "none" else F, h1, sid)
         if gated == "chunk":
@@ -118,13 +136,14 @@ class ExpertGrammar:
             self.emit(f"{h} = ({u} + 1) * ({a} * torch.sigmoid({a} * 1.702))")
         else:
             h = self.act(h1)
-        y = self.code.name("y")
-        self.emit(f"{y} = gmm({h}, {self.expert_weight(E, F, H)}, {offs})")
+        y = self.expert_gemm(h, E, F, H, sid, offs)
         if g.random() < 0.3:
             y = self.expert_bias(E, H, y, sid)
         out = self.code.name("mo")
         self.emit(f"{y} = {y} * {sw}.unsqueeze(-1)")
-        if g.random() < 0.5:
+        if offs is None:
+            self.emit(f"{out} = {y}.view(-1, {k}, {H}).sum(1).view({x}.shape)")
+        elif g.random() < 0.5:
             inv = self.code.name("inv")
             self.emit(f"{inv} = torch.empty_like({perm})")
             self.emit(f"{inv}[{perm}] = torch.arange({perm}.numel())")

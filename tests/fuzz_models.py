@@ -26,7 +26,8 @@ standalone file. The grammar covers the op families the rules cover and the haza
     experts      in one model of eight (every one with `experts`, the fuzzer's --ep), the MLP is a mixture of
                  experts spelled as Hugging Face's are: a router (softmax then top-k, renormalized or not; top-k
                  then softmax; a sigmoid with a selection bias), k, sorted (token, expert) pairs and histc offsets,
-                 grouped expert GEMMs over [E, out, in] or [E, in, out] weights, gated (chunked, or interleaved
+                 grouped expert GEMMs over [E, out, in] or [E, in, out] weights (or batched_mm's: the pairs in
+                 order, each by its expert's gathered weights), gated (chunked, or interleaved
                  and clamped as GPT-OSS's) or not, per-expert biases, a skewed router, a shared expert beside it
     refusals     in about one model of fifty, the MLP's hidden activation goes through a custom autograd.Function
                  (a straight-through rounding, or an identity whose backward scales the gradient) whose `apply` is

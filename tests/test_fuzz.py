@@ -94,7 +94,7 @@ def test_the_generator_is_deterministic_and_varied():
     missing = [f for f in features if not any(f in s for s in (generate(s) for s in range(60)))]
     assert not missing, missing
     experts = ["gmm(", "torch.histc(", ".softmax(-1)\n", ".sigmoid()", "[..., ::2]", ".add_(self.be", "[4.0, ",
-               "index_add_(0", "stable=True", "torch.sigmoid(h"]
+               "index_add_(0", "stable=True", "torch.sigmoid(h", "torch.bmm(", "repeat_interleave("]
     sources = [generate(s, experts=True) for s in range(30)]
     assert not [f for f in experts if not any(f in s for s in sources)]
     assert sum("gmm(" in generate(s) for s in range(60)) >= 3  # the default grammar draws them too

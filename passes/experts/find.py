@@ -41,14 +41,13 @@ from torch.fx import GraphModule, Node
 
 from fxpar.passes.frontend.grouped_gemm import GROUPED_LINEAR, GROUPED_MM
 from fxpar.passes.ir.meta import PARAMETER, input_of, module_path
-from fxpar.passes.ir.op_families import CASTS, SPLITS
+from fxpar.passes.ir.op_families import CASTS, SPLITS, SQUEEZES
 
 aten = torch.ops.aten
 # fxpar's grouped GEMMs (Hugging Face's fallback loop, passes/frontend/grouped_gemm.py) and torch's own, which
 # Hugging Face calls where its kernel runs (bf16 on CPU): aten._grouped_mm(x [S, K], W [E, K, N], offs)
 GROUPED = (GROUPED_LINEAR, GROUPED_MM, aten._grouped_mm.default)
 _BMM = aten.bmm.default  # batched_mm experts: bmm(W[ids], x[:, :, None]) or bmm(x[:, None], W[ids]), row by row
-_ROW_VIEWS = {aten.unsqueeze.default, aten.squeeze.dim}  # of a dim other than the rows
 _LAST_DIM = SPLITS | {aten.slice.Tensor}
 
 
@@ -256,7 +255,7 @@ def _kind(a: Node, inside: set, ids: Node, e: int, entries: set | None) -> str:
 
 def _row_view(n: Node) -> bool:
     """An unsqueeze or squeeze of a dim other than the rows' (around a batched expert GEMM)."""
-    if n.op != "call_function" or n.target not in _ROW_VIEWS:
+    if n.op != "call_function" or n.target not in SQUEEZES:
         return False
     rank = n.meta["val"].dim() if n.target is aten.unsqueeze.default else n.args[0].meta["val"].dim()
     return n.args[1] % rank != 0

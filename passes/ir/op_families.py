@@ -51,6 +51,7 @@ LAYOUT = ROW_VIEWS | {
 TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default})
 SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 CASTS = frozenset({aten.to.dtype, aten._to_copy.default})
+SQUEEZES = frozenset({aten.unsqueeze.default, aten.squeeze.dim})  # one dim added or dropped
 MODE_CALLS = frozenset({torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
                         torch.amp.autocast_mode._exit_autocast})
 WAIT = torch.ops._c10d_functional.wait_tensor.default
