@@ -41,7 +41,8 @@ if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(os.path.j
 
 _PUBLIC = {"parallelize": "fxpar.api", "Config": "fxpar.config", "init_mesh": "fxpar.mesh",
            "verify": "fxpar.verify", "VerifyError": "fxpar.verify", "MixedPrecision": "fxpar.mixed_precision",
-           "save": "fxpar.checkpoint.dcp", "load": "fxpar.checkpoint.dcp"}
+           "save": "fxpar.checkpoint.dcp", "load": "fxpar.checkpoint.dcp",
+           "register_rule": "fxpar.passes.sharding.rule_table"}
 __all__ = sorted(_PUBLIC)
 
 

@@ -64,7 +64,7 @@ from fxpar.passes.ir.aliasing import Storage, writes
 from fxpar.passes.ir.meta import USER, input_of, module_path, upstream
 from fxpar.passes.ir.op_families import FILLS_LIKE, ROW_VIEWS
 from fxpar.passes.ir.placements import Placement, Replicate, Shard, plain_shard
-from fxpar.passes.sharding.rule_table import rule_for
+from fxpar.passes.sharding.rule_table import rule_for, undeclared
 from fxpar.passes.sharding.shared_weights import SHARDING_GEMM, describe, shared_conflicts, weight_spec_of
 from fxpar.passes.sharding.rules import (DTYPE_ONLY, GEMM_WEIGHT_ARG, GEMM_WEIGHT_OUT, Ctx, Decision, Indivisible,
                                          NoRule, Role, elementwise, gemm_uses, other_use)
@@ -223,7 +223,7 @@ def spread(starts: list[Node], decisions: dict, specs: dict, ctx: Ctx, order: di
             raise NoRule(f"{describe(n)} was already decided by the region of {frozen[n]}: one decision per node")
         rule = rule_for(n)
         if rule is None:
-            raise NoRule(f"{n.name}: no sharding rule for {n.target}")
+            raise NoRule(f"{n.name}: no sharding rule for {n.target}{undeclared(n.target)}")
         d = apply_rule(rule, n, ctx)
         for inp, how in list(d.enter.items()):
             if how is not None and inp not in frozen and (param := _gathered_param(inp, how, ctx)) is not None:

@@ -2,6 +2,8 @@
 passes/sharding/loss_rules.py (so neither module fills the other's registry, and neither imports the other back).
 
     rule_for(node)   the rule of the node's op family, or None (the analysis then refuses the sharding)
+    register_rule    a user's declaration for an op fxpar cannot see into (a custom op with a fake), in one line:
+                     fxpar.register_rule(torch.ops.mylib.swish, "pointwise")
 
 An OpOverloadPacket in a row stands for all its overloads, an OpOverload for itself only.
 """
@@ -16,8 +18,8 @@ from torch.fx import Node
 from fxpar.passes.sharding.mixer_rules import baddbmm, batched_matmul, conv1d, einsum, repeat_interleave, sdpa
 from fxpar.passes.sharding.rules import (GEMM_WEIGHT_ARG, along_dim, cat, complex_view, constant_like, copy_into,
                                          elementwise, expand, gemm, getitem, like_input, norm, pad, permute, reduction,
-                                         reshape_as, select, slice_, softmax, split, squeeze, stack, transpose,
-                                         triangular, unsqueeze, view)
+                                         reshape_as, select, slice_, softmax, split, squeeze, stack, tokenwise,
+                                         transpose, triangular, unsqueeze, view)
 from fxpar.passes.sharding.loss_rules import LOSS_RULES
 
 aten = torch.ops.aten
@@ -83,6 +85,49 @@ def _overloads(op) -> list:
 RULES = MappingProxyType({overload: rule for rule, ops in FAMILIES for op in ops for overload in _overloads(op)})
 
 
+DECLARED: dict = {}  # op overload -> the rule a user declared for it (register_rule)
+KINDS = {"pointwise": elementwise, "tokenwise": tokenwise}
+
+
+def register_rule(op, rule) -> None:
+    """Declare how an op fxpar cannot see into (a torch.library custom op with a fake: a Triton or C++ kernel) acts
+    on placements, for every graph fxpar compiles afterwards:
+
+        "pointwise"   each output element from the same element of every input, broadcast as torch broadcasts
+                      (an activation): sharded as its sharded inputs, all alike
+        "tokenwise"   each output row from the same row of its first input over the last dim (a fused norm, a
+                      per-head op): sharded on any dim but the last; its other inputs (weights) read whole
+        a function    rule(node, ctx) -> Decision, in the form of fxpar's own (passes/sharding/rules.py)
+
+    An op without a declaration keeps its region replicated, and the plan names it and this fix. A declaration is a
+    promise about the kernel: fxpar checks each rewrite against the unmodified model only where you run
+    `fxpar check` or `fxpar.verify`."""
+    if isinstance(rule, str):
+        if rule not in KINDS:
+            raise ValueError(f"fxpar.register_rule: {rule!r} is not one of {sorted(KINDS)}; or pass a rule function "
+                             "rule(node, ctx) -> Decision (passes/sharding/rules.py)")
+        rule = KINDS[rule]
+    elif not callable(rule):
+        raise TypeError(f"fxpar.register_rule: the rule must be one of {sorted(KINDS)} or a function, got {rule!r}")
+    if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raise TypeError(f"fxpar.register_rule: {op!r} is not an op; pass it as torch.ops.<namespace>.<name>")
+    for overload in _overloads(op):
+        if overload in RULES:
+            raise ValueError(f"fxpar.register_rule: {overload} has fxpar's own rule ({RULES[overload].__name__})")
+        DECLARED[overload] = rule
+
+
 def rule_for(node: Node):
-    """The rule of this node's op family, or None (the analysis then refuses the sharding)."""
-    return RULES.get(node.target) if node.op == "call_function" else None
+    """The rule of this node's op family (or a user's declaration), or None (the analysis then refuses the
+    sharding)."""
+    if node.op != "call_function":
+        return None
+    return RULES.get(node.target) or DECLARED.get(node.target)
+
+
+def undeclared(target) -> str:
+    """The one-line fix for an op from outside aten with no rule, or ""."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prim", "fxpar"):
+        return ""
+    return (f"; declare what it does in one line: fxpar.register_rule(torch.ops.{target.namespace}."
+            f"{target._opname}, \"pointwise\" or \"tokenwise\")")

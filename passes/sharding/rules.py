@@ -407,6 +407,19 @@ def along_dim(node: Node, ctx: Ctx) -> Decision:
     return Decision((out, out) if node.target in VALUES_AND_INDICES else out)
 
 
+def tokenwise(node: Node, ctx: Ctx) -> Decision:
+    """A declared token-wise op (fxpar.register_rule(op, "tokenwise")): each output row from the same row of its first
+    input over the last dim (a fused norm, a per-head op): sharded as that input on any dim but the last; its other
+    tensor inputs (weights over the last dim) read whole."""
+    x = tensor_args(node)[0]
+    s = ctx.p(x)
+    if not isinstance(s, Shard):
+        raise NoRule(f"{node.name}: {node.target} reads a sharded tensor beside its replicated first input {x.name}")
+    if s.dim == len(ctx.shape(x)) - 1:
+        raise NoRule(f"{node.name}: {node.target} is token-wise over the last dim, which is sharded")
+    return Decision(s, {a: None for a in tensor_args(node) if a is not x})
+
+
 def reshape_as(node: Node, ctx: Ctx) -> Decision:
     """x.reshape_as(other): as reshape(x, other.shape); exact locally when `other` is sharded as the result is."""
     x, other = node.args[0], node.args[1]
