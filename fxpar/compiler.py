@@ -64,7 +64,7 @@ from fxpar.passes.sharding.sequence_analysis import SequenceAnalysis, sequence_a
 from fxpar.passes.tensor_parallel.sequence_parallel import gathered_gemms_pass, sequence_parallel_pass
 from fxpar.programs import JointRequest
 from fxpar.stages import run_stages
-from fxpar.trace import TraceError, Traced, trace
+from fxpar.trace import Traced, trace
 
 log = logging.getLogger("fxpar")
 
@@ -178,8 +178,9 @@ def _statistics(c: Compiled) -> BatchStatistics | None:
     try:
         traced = trace(c.model, pytree.tree_map(whole, c.example_args), pytree.tree_map(whole, c.example_kwargs),
                        (loss_fn, pytree.tree_map(whole, target)), mp.param_dtype if mp is not None else None)
-    except TraceError as e:
-        traced, note = None, str(e).splitlines()[0]
+    except Exception as e:  # noqa: BLE001 - the model at d times the rows: anything it raises keeps the rank's own
+        lines = str(e).splitlines() or [type(e).__name__]
+        traced, note = None, lines[1].strip() if len(lines) > 1 and "export said" in lines[0] else lines[0]
     if traced is None or not traced.with_loss:
         return BatchStatistics(why=f"the loss does not trace at dp={d} times the rows ({note or traced.loss_note})")
     if meta_state_device(traced.gm) is not None:

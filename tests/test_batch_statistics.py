@@ -156,3 +156,31 @@ def test_with_microbatches_the_statistics_span_microbatch_i_and_step_says_so(poo
     for gaps, _, _, said in pool2.run(_train, balanced, 2, 1):
         assert sum("microbatch i, not over the whole batch (m=2)" in s for s in said) == 1, said
         assert gaps[0] > 1e-6, gaps  # a different (Megatron's global-over-dp) statistic: said, not silent
+
+
+class Fixed(Routed):
+    """A model that only takes its example's batch size."""
+
+    def forward(self, ids):
+        if ids.shape[0] != 2:
+            raise ValueError(f"this model takes 2 rows, got {ids.shape[0]}")
+        return super().forward(ids)
+
+
+def test_a_model_that_cannot_take_d_times_the_rows_keeps_each_ranks_statistics_and_says_why():
+    """The compiler's second trace (simulated dp=2: shapes only) fails: nothing changes, the plan says why."""
+    from fxpar.compiler import Target, compile_model
+    from fxpar.config import Config
+    from fxpar.passes.tensor_parallel.collectives import TPComm
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, S))
+    c = compile_model(Fixed(), (ids,), {}, Target(TPComm(0, 1), pipelined=True, dp=TPComm(0, 2)), Config(),
+                      loss=(balanced, ids))
+    assert "does not trace at dp=2 times the rows" in c.statistics.why and "takes 2 rows, got 4" in \
+        c.statistics.why, c.statistics.why
+    assert not any(n.op == "call_module" for n in c.gm.graph.nodes)
+    plain = compile_model(Routed(), (ids,), {}, Target(TPComm(0, 1), pipelined=True, dp=TPComm(0, 2)), Config(),
+                          loss=(balanced, ids))
+    assert sorted(plain.statistics.reduce.values()) == ["mean", "sum"]
+    assert sum(n.op == "call_module" for n in plain.gm.graph.nodes) == 2  # simulated: shapes only, nothing runs
