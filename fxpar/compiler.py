@@ -150,10 +150,14 @@ class Compiled:
 
 # ---------------------------------------------------------------------------------------------------- the stages
 def _trace(c: Compiled) -> Traced:
-    """torch.export's program; weights built on the meta device are placed where the inputs are (see
-    passes/tensor_parallel/local_shapes.py place_meta_state_pass)."""
+    return _export(c, c.example_args, c.example_kwargs, c.loss)
+
+
+def _export(c: Compiled, args: tuple, kwargs: dict, loss: tuple | None) -> Traced:
+    """torch.export's program of c.model on these inputs; weights built on the meta device are placed where the
+    inputs are (see passes/tensor_parallel/local_shapes.py place_meta_state_pass)."""
     mp = c.config.mixed_precision
-    traced = trace(c.model, c.example_args, c.example_kwargs, c.loss, mp.param_dtype if mp is not None else None)
+    traced = trace(c.model, args, kwargs, loss, mp.param_dtype if mp is not None else None)
     device = meta_state_device(traced.gm)
     if device is not None:
         place_meta_state_pass(traced.gm, device)
@@ -172,19 +176,20 @@ def _statistics(c: Compiled) -> BatchStatistics | None:
     d = c.target.dp.size
     if d == 1 or not c.traced.with_loss or c.loss is None or c.normalization.count is not None:
         return None
-    whole = lambda x: torch.cat([x] * d) if isinstance(x, torch.Tensor) and x.dim() else x  # noqa: E731
+
+    def whole(x):  # d microbatches' rows together, as step() cuts every tensor input along dim 0
+        return torch.cat([x] * d) if isinstance(x, torch.Tensor) and x.dim() else x
+
     loss_fn, target = c.loss
-    mp, note = c.config.mixed_precision, ""
+    note = ""
     try:
-        traced = trace(c.model, pytree.tree_map(whole, c.example_args), pytree.tree_map(whole, c.example_kwargs),
-                       (loss_fn, pytree.tree_map(whole, target)), mp.param_dtype if mp is not None else None)
+        traced = _export(c, pytree.tree_map(whole, c.example_args), pytree.tree_map(whole, c.example_kwargs),
+                         (loss_fn, pytree.tree_map(whole, target)))
     except Exception as e:  # noqa: BLE001 - the model at d times the rows: anything it raises keeps the rank's own
         lines = str(e).splitlines() or [type(e).__name__]
         traced, note = None, lines[1].strip() if len(lines) > 1 and "export said" in lines[0] else lines[0]
     if traced is None or not traced.with_loss:
         return BatchStatistics(why=f"the loss does not trace at dp={d} times the rows ({note or traced.loss_note})")
-    if meta_state_device(traced.gm) is not None:
-        place_meta_state_pass(traced.gm, meta_state_device(traced.gm))
     stats = find_batch_statistics(c.traced.gm, traced.gm)
     if stats is not None and not stats.why and (c.config.joint_graph or c.config.compile):
         stats.why = "the joint programs and compile do not run the all-reduces of batch statistics yet"

@@ -88,9 +88,8 @@ def find_batch_statistics(local: GraphModule, whole: GraphModule) -> BatchStatis
     """The reductions over rows to make the whole batch's (see the module docstring): `local` traced at one
     microbatch's rows, `whole` at d times them. None: the loss reads no statistic nonlinearly."""
     pairs = list(zip(local.graph.nodes, whole.graph.nodes))
-    if len(local.graph.nodes) != len(whole.graph.nodes) or any(
-            a.op != b.op or a.target != b.target for a, b in pairs):
-        bad = next(((a, b) for a, b in pairs if a.op != b.op or a.target != b.target), (None, None))[0]
+    bad = next((a for a, b in pairs if a.op != b.op or a.target != b.target), None)
+    if bad is not None or len(local.graph.nodes) != len(whole.graph.nodes):
         return BatchStatistics(why="the program traced at d times the rows is not the same program"
                                    + (f" (from node {bad.name})" if bad is not None else ""))
     twin = {a: b for a, b in pairs}
@@ -111,14 +110,18 @@ def find_batch_statistics(local: GraphModule, whole: GraphModule) -> BatchStatis
         read = [i for i in a.all_input_nodes if i in after]
         if read and not _linear(a, after):
             nonlinear |= set().union(*(after[i] for i in read))
-    # a floating statistic read on rows (x - mean(x)): integer ones are the rows' own layout (the offsets of a
-    # rank's rows sorted by expert), as one process computes it on those rows
-    on_rows = [(a, i) for a in scales for i in a.all_input_nodes
-               if i in after and isinstance(i.meta.get("val"), torch.Tensor) and i.meta["val"].is_floating_point()]
-    if on_rows:
-        a, i = on_rows[0]
-        return BatchStatistics(why=f"{a.name} ({a.target}, {module_path(a) or '<root>'}) reads the statistic "
-                                   f"{i.name} over the batch's rows on the rank's own rows")
+    # a statistic read on rows: a floating one (x - mean(x)) stays the rank's own; an integer one is the rows' own
+    # layout (the offsets of a rank's rows sorted by expert), as one process computes it on those rows, unless it
+    # is also to become the whole batch's
+    for a in scales:
+        for i in (i for i in a.all_input_nodes if i in after):
+            v = i.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return BatchStatistics(why=f"{a.name} ({a.target}, {module_path(a) or '<root>'}) reads the statistic "
+                                           f"{i.name} over the batch's rows on the rank's own rows")
+            if after[i] & nonlinear:
+                return BatchStatistics(why=f"{a.name} ({a.target}) reads the statistic {i.name} on the rank's own "
+                                           "rows as well")
     if not nonlinear:
         return None
     out = BatchStatistics()
@@ -128,11 +131,6 @@ def find_batch_statistics(local: GraphModule, whole: GraphModule) -> BatchStatis
             return BatchStatistics(why=f"the loss reads {r.name} ({r.target}, {module_path(r) or '<root>'}) over the "
                                        "batch's rows nonlinearly, and it is not a sum, a count or a mean")
         out.reduce[r.name], out.modules[r.name] = kind, module_path(r)
-    for a in scales:
-        used = [i.name for i in a.all_input_nodes if after.get(i, set()) & nonlinear]
-        if used:
-            return BatchStatistics(why=f"{a.name} ({a.target}) reads the statistic {used[0]} on the rank's own rows "
-                                       "as well")
     for a, up in after.items():
         if not up & nonlinear or _leaves(a) == _leaves(twin[a]):
             continue
@@ -198,7 +196,7 @@ def batch_statistics_pass(gm: GraphModule, stats: BatchStatistics | None, comm: 
         gm.add_submodule(target, BatchStatistic(comm, kind, name))
         with gm.graph.inserting_after(n):
             s = gm.graph.call_module(target, (n,))
-        s.meta = {k: v for k, v in n.meta.items() if k != "val"} | {"val": n.meta.get("val")}
+        s.meta = dict(n.meta)
         n.replace_all_uses_with(s, delete_user_cb=lambda u: u is not s)
     for name, (args, kwargs) in stats.constants.items():
         n = nodes[name]

@@ -14,11 +14,12 @@ pair's token row, and run every expert on its run of rows:
 (In bf16 Hugging Face calls torch's own kernel instead, aten._grouped_mm(x, W.transpose(-2, -1), offs): the same
 chain. Its batched_mm experts keep the rows in (token, k) order and multiply each by its own expert's weights,
 bmm(W[ids], x.unsqueeze(-1)) with ids = top_k_index.reshape(-1): a chain keyed by those ids instead of offsets,
-whose rows the dispatcher sorts by expert itself.) An expert chain is the part from x to y: grouped GEMMs sharing one `offs`, the ops between them, and the
-per-expert biases added after the last. Each of its rows depends only on the same row of x and on that row's expert, which is
-what lets expert parallelism move rows between ranks, run each expert where its weights are, and move the results
-back to the same rows: nothing else in the model changes, so the router, the weighted sum over k (its order and
-dtype) and the auxiliary losses stay the reference's own ops on the reference's own values.
+whose rows the dispatcher sorts by expert itself.) An expert chain is the part from x to y: grouped GEMMs sharing
+one `offs`, the ops between them, and the per-expert biases added after the last. Each of its rows depends only on
+the same row of x and on that row's expert, which is what lets expert parallelism move rows between ranks, run each
+expert where its weights are, and move the results back to the same rows: nothing else in the model changes, so the
+router, the weighted sum over k (its order and dtype) and the auxiliary losses stay the reference's own ops on the
+reference's own values.
 
 What is checked, for each chain (else it is not a chain, the experts stay as tensor parallelism leaves them, and
 `reasons` says why, with the node and its module path):
